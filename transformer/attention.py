@@ -1,0 +1,190 @@
+"""Scaled dot-product and multi-head attention (paper section 3.2), with a decoding cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from transformer.config import TransformerConfig
+
+
+def scaled_dot_product_attention(
+    q_BQHD: jax.Array,
+    k_BKHD: jax.Array,
+    v_BKHD: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """softmax(Q K^T / sqrt(d_k)) V, for every head at once.
+
+    The softmax runs in float32 whatever the input dtype. Masked positions are
+    excluded with `where` (not by adding -inf), and their weights are set to
+    exactly zero, so a query whose keys are all masked gets a zero output
+    instead of NaN.
+
+    Args:
+      q_BQHD: queries [batch, q_len, heads, d_k].
+      k_BKHD: keys [batch, kv_len, heads, d_k].
+      v_BKHD: values [batch, kv_len, heads, d_v].
+      mask: boolean, broadcastable to [batch, heads, q_len, kv_len]; True
+        where a query may attend to a key. None attends everywhere.
+      dropout_rate: dropout on the attention weights.
+      dropout_rng: PRNG key for that dropout; None disables it.
+
+    Returns:
+      (output [batch, q_len, heads, d_v] in the dtype of v,
+       weights [batch, heads, q_len, kv_len] in float32, rows summing to 1
+       over unmasked keys, or to 0 where every key is masked).
+    """
+    d_k = q_BQHD.shape[-1]
+    scores_BHQK = jnp.einsum("bqhd,bkhd->bhqk", q_BQHD, k_BKHD).astype(jnp.float32)
+    scores_BHQK = scores_BHQK / jnp.sqrt(jnp.float32(d_k))
+    if mask is not None:
+        scores_BHQK = jnp.where(mask, scores_BHQK, jnp.finfo(jnp.float32).min)
+    weights_BHQK = jax.nn.softmax(scores_BHQK, axis=-1)
+    if mask is not None:
+        # A fully masked row has uniform softmax weights; zero them.
+        weights_BHQK = jnp.where(mask, weights_BHQK, 0.0)
+    attended_BHQK = weights_BHQK
+    if dropout_rng is not None and dropout_rate > 0.0:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights_BHQK.shape)
+        attended_BHQK = jnp.where(keep, weights_BHQK / (1.0 - dropout_rate), 0.0)
+    out_BQHD = jnp.einsum("bhqk,bkhd->bqhd", attended_BHQK.astype(v_BKHD.dtype), v_BKHD)
+    return out_BQHD, weights_BHQK
+
+
+class MultiHeadAttention(nn.Module):
+    """h parallel heads of scaled dot-product attention with projections W^Q, W^K, W^V, W^O.
+
+    Used three ways: encoder self-attention (`inputs_kv=None`), decoder masked
+    self-attention (`inputs_kv=None` with a causal mask), and encoder-decoder
+    cross-attention (`inputs_kv` = encoder output).
+
+    Incremental decoding (`decode=True`) keeps a "cache" collection:
+      - self-attention: `cached_key`/`cached_value` [batch, max_decode_len,
+        heads, d_head] and the scalar `cache_index`. The first call, made with
+        a dummy target of length max_decode_len, only creates them; each later
+        call appends one position and attends to the positions written so far.
+      - cross-attention: `cross_key`/`cross_value` [batch, src_len, heads,
+        d_head], projected from the encoder output by the first call and read
+        by every later one. If the queries' batch is a multiple r of the
+        cache's (beam search: r beams per sentence, beams of a sentence
+        adjacent), the queries are regrouped per sentence, so the beams share
+        one copy of the source keys and values.
+
+    The attention weights [batch, heads, q_len, kv_len] are sown into the
+    "intermediates" collection as `attention_weights`.
+
+    Attributes:
+      config: the model config (d_model, num_heads, dtype, attention dropout).
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        inputs_q_BQD: jax.Array,
+        inputs_kv_BKD: jax.Array | None = None,
+        mask: jax.Array | None = None,
+        *,
+        train: bool = False,
+        decode: bool = False,
+    ) -> jax.Array:
+        """Attends from `inputs_q` to `inputs_kv` (or to itself).
+
+        Args:
+          inputs_q_BQD: query-side input [batch, q_len, d_model].
+          inputs_kv_BKD: key/value-side input [batch, kv_len, d_model]; None for
+            self-attention.
+          mask: boolean, broadcastable to [batch, heads, q_len, kv_len]. Ignored
+            by cached decoding steps, which build their own.
+          train: enables attention dropout (needs the "dropout" RNG).
+          decode: incremental decoding with the cache described above.
+
+        Returns:
+          [batch, q_len, d_model].
+        """
+        cfg = self.config
+        dtype = cfg.compute_dtype
+
+        def project(name: str) -> nn.DenseGeneral:
+            return nn.DenseGeneral(
+                features=(cfg.num_heads, cfg.d_head),
+                dtype=dtype,
+                param_dtype=jnp.float32,
+                kernel_init=nn.initializers.xavier_uniform(),
+                name=name,
+            )
+
+        q_BQHD = project("query")(inputs_q_BQD)
+        is_cross = inputs_kv_BKD is not None
+
+        if is_cross and decode and self.has_variable("cache", "cross_key"):
+            k_BKHD = self.get_variable("cache", "cross_key")
+            v_BKHD = self.get_variable("cache", "cross_value")
+        else:
+            kv_input = inputs_kv_BKD if is_cross else inputs_q_BQD
+            k_BKHD = project("key")(kv_input)
+            v_BKHD = project("value")(kv_input)
+            if is_cross and decode:
+                self.put_variable("cache", "cross_key", k_BKHD)
+                self.put_variable("cache", "cross_value", v_BKHD)
+
+        if decode and not is_cross:
+            k_BKHD, v_BKHD, mask = self._update_self_attention_cache(k_BKHD, v_BKHD, mask)
+
+        # Beam search: r beams per sentence query one copy of the source K/V.
+        batch_q, len_q = q_BQHD.shape[:2]
+        beams = batch_q // k_BKHD.shape[0]
+        if beams > 1:
+            q_BQHD = q_BQHD.reshape(k_BKHD.shape[0], beams * len_q, *q_BQHD.shape[2:])
+
+        dropout_rng = None
+        if train and cfg.attention_dropout_rate > 0.0:
+            dropout_rng = self.make_rng("dropout")
+        out_BQHD, weights_BHQK = scaled_dot_product_attention(
+            q_BQHD,
+            k_BKHD,
+            v_BKHD,
+            mask,
+            dropout_rate=cfg.attention_dropout_rate,
+            dropout_rng=dropout_rng,
+        )
+        self.sow("intermediates", "attention_weights", weights_BHQK)
+        out_BQHD = out_BQHD.reshape(batch_q, len_q, *out_BQHD.shape[2:])
+        return nn.DenseGeneral(
+            features=cfg.d_model,
+            axis=(-2, -1),
+            dtype=dtype,
+            param_dtype=jnp.float32,
+            kernel_init=nn.initializers.xavier_uniform(),
+            name="out",
+        )(out_BQHD)
+
+    def _update_self_attention_cache(
+        self, k_B1HD: jax.Array, v_B1HD: jax.Array, mask: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """Writes this step's key/value into the cache; returns all keys/values so far.
+
+        On the creating call (dummy target of length max_decode_len) nothing is
+        written and the inputs pass through unchanged.
+        """
+        initialized = self.has_variable("cache", "cached_key")
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, k_B1HD.shape, k_B1HD.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, v_B1HD.shape, v_B1HD.dtype)
+        cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        if not initialized:
+            return k_B1HD, v_B1HD, mask
+        index = cache_index.value
+        k_BLHD = jax.lax.dynamic_update_slice_in_dim(cached_key.value, k_B1HD, index, axis=1)
+        v_BLHD = jax.lax.dynamic_update_slice_in_dim(cached_value.value, v_B1HD, index, axis=1)
+        cached_key.value, cached_value.value = k_BLHD, v_BLHD
+        cache_index.value = index + k_B1HD.shape[1]
+        # Causality: each new query sees the positions written so far, itself included.
+        positions_Q = index + jnp.arange(k_B1HD.shape[1])
+        visible_QL = jnp.arange(k_BLHD.shape[1])[None, :] <= positions_Q[:, None]
+        return k_BLHD, v_BLHD, visible_QL[None, None, :, :]

@@ -1,0 +1,135 @@
+"""The model's hyperparameters: one frozen dataclass, with the paper's presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+# Section 3 and Table 3 of "Attention Is All You Need".
+_PRESETS: dict[str, dict[str, Any]] = {
+    "base": dict(
+        d_model=512,
+        num_heads=8,
+        d_ff=2048,
+        num_encoder_layers=6,
+        num_decoder_layers=6,
+        dropout_rate=0.1,
+    ),
+    "big": dict(
+        d_model=1024,
+        num_heads=16,
+        d_ff=4096,
+        num_encoder_layers=6,
+        num_decoder_layers=6,
+        dropout_rate=0.3,
+    ),
+    # Small enough that a test compiles and runs it in well under a second.
+    "tiny": dict(
+        d_model=32,
+        num_heads=4,
+        d_ff=64,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        dropout_rate=0.1,
+        max_len=64,
+    ),
+}
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Hyperparameters of the encoder-decoder Transformer.
+
+    Attributes:
+      vocab_size: number of token ids (source and target share one vocabulary).
+      d_model: width of every residual stream and embedding.
+      num_heads: attention heads h; each has size d_model / h.
+      d_ff: inner width of the position-wise feed-forward network.
+      num_encoder_layers: N for the encoder stack.
+      num_decoder_layers: N for the decoder stack.
+      dropout_rate: P_drop on sub-layer outputs and on embeddings + positions.
+      attention_dropout_rate: dropout on the attention weights (0 in the paper).
+      max_len: longest sequence (in tokens) the model is meant for; the data
+        pipeline drops longer training pairs. Positional encodings are computed
+        for whatever length a call needs, so decoding may go past it.
+      share_embeddings: one matrix for source embedding, target embedding and
+        the pre-softmax projection (paper 3.4).
+      pre_layer_norm: False is the paper's post-LN, x = LN(x + sublayer(x));
+        True is pre-LN, x = x + sublayer(LN(x)), which trains more stably.
+      dtype: compute dtype name ("float32" or "bfloat16"); parameters are
+        always stored in float32 and softmax runs in float32.
+      pad_id: the padding token id; masks are derived from it.
+    """
+
+    vocab_size: int
+    d_model: int = 512
+    num_heads: int = 8
+    d_ff: int = 2048
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.0
+    max_len: int = 256
+    share_embeddings: bool = True
+    pre_layer_norm: bool = False
+    dtype: str = "float32"
+    pad_id: int = 0
+
+    def __post_init__(self):
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})"
+            )
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def d_head(self) -> int:
+        """Size of one attention head, d_k = d_v = d_model / h."""
+        return self.d_model // self.num_heads
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        """The jnp dtype that activations are computed in."""
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> TransformerConfig:
+        """Builds a named preset ("base", "big", "tiny"), with field overrides.
+
+        Args:
+          name: preset name.
+          **overrides: any field, e.g. `vocab_size=8000`, `dropout_rate=0.2`.
+
+        Returns:
+          The config.
+        """
+        if name not in _PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(_PRESETS)}")
+        return cls(**{**_PRESETS[name], **overrides})
+
+    @staticmethod
+    def preset_names() -> list[str]:
+        """The names `preset` accepts."""
+        return sorted(_PRESETS)
+
+    def replace(self, **changes: Any) -> TransformerConfig:
+        """Returns a copy with some fields changed (e.g. `dropout_rate=0.0`)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serializable dict of every field."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TransformerConfig:
+        """Inverse of `to_dict`; unknown keys are an error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown TransformerConfig fields: {', '.join(unknown)}")
+        return cls(**d)
