@@ -1,0 +1,134 @@
+"""Workdir checkpoints: round trip, last K + best retention, damaged fallback, mismatch."""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from transformer import Transformer, TransformerConfig
+from transformer.checkpoints import (
+    CheckpointError,
+    Checkpoints,
+    average_params,
+    checkpoint_steps,
+    load_run_config,
+    restore_params,
+    save_run_config,
+)
+
+
+def _tiny_params(d_model: int = 32):
+    config = TransformerConfig.preset(
+        "tiny", vocab_size=20, d_model=d_model, num_encoder_layers=1, num_decoder_layers=1
+    )
+    tokens = np.ones((1, 3), np.int32)
+    params = Transformer(config).init(jax.random.PRNGKey(0), tokens, tokens)["params"]
+    return jax.device_get(params)
+
+
+# Any non-empty optimizer state will do where the test is about the parameters.
+_OPT = {"count": np.zeros((), np.int32)}
+
+
+def _shifted(params, by: float):
+    return jax.tree.map(lambda x: x + np.float32(by), params)
+
+
+def _damage(step_dir: Path) -> None:
+    for f in (step_dir / "params").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\x00garbage")
+
+
+@pytest.fixture(scope="module")
+def params():
+    return _tiny_params()
+
+
+def test_round_trip_keeps_structure_and_values(tmp_path, params):
+    optimizer = optax.adam(1e-3)
+    opt_state = jax.device_get(optimizer.init(params))
+    with Checkpoints(tmp_path, keep=2) as ckpts:
+        ckpts.save(7, params, opt_state, {"rng": [1, 2], "data": {"epoch": 3}})
+    with Checkpoints(tmp_path, keep=2) as ckpts:
+        restored = ckpts.restore_latest(params, opt_state)
+    assert restored.step == 7
+    assert restored.meta == {"rng": [1, 2], "data": {"epoch": 3}, "step": 7}
+    assert jax.tree.structure(restored.opt_state) == jax.tree.structure(opt_state)
+    for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    only_params, step = restore_params(tmp_path, "last")
+    assert step == 7 and jax.tree.structure(only_params) == jax.tree.structure(params)
+
+
+def test_keeps_last_k_plus_best_and_finds_best(tmp_path, params):
+    with Checkpoints(tmp_path, keep=2) as ckpts:
+        for step, bleu in [(1, None), (2, 5.0), (3, None), (4, 3.0), (5, None), (6, None)]:
+            ckpts.save(step, _shifted(params, step), _OPT, {}, val_bleu=bleu)
+    assert checkpoint_steps(tmp_path) == [2, 5, 6]
+    best, step = restore_params(tmp_path, "best")
+    assert step == 2
+    leaf = jax.tree.leaves(best)[0]
+    np.testing.assert_array_equal(leaf, jax.tree.leaves(_shifted(params, 2))[0])
+    assert restore_params(tmp_path, "last")[1] == 6
+    assert restore_params(tmp_path, 5)[1] == 5
+    with pytest.raises(CheckpointError, match="no checkpoint at step 4"):
+        restore_params(tmp_path, 4)
+
+
+def test_best_falls_back_to_last_without_scores(tmp_path, params):
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(10, params, _OPT, {})
+        ckpts.save(20, params, _OPT, {})
+    assert restore_params(tmp_path)[1] == 20
+
+
+def test_damaged_latest_is_reported_and_the_one_before_used(tmp_path, params):
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(1, _shifted(params, 1), _OPT, {"rng": [0, 1]})
+        ckpts.save(2, _shifted(params, 2), _OPT, {"rng": [0, 2]})
+    _damage(tmp_path / "checkpoints" / "2")
+    warnings = []
+    with Checkpoints(tmp_path, keep=3, log=warnings.append) as ckpts:
+        restored = ckpts.restore_latest(params, _OPT)
+    assert restored.step == 1 and restored.meta["rng"] == [0, 1]
+    assert len(warnings) == 1 and "step 2" in warnings[0] and "damaged" in warnings[0]
+    assert "\n" not in warnings[0]
+    warnings.clear()
+    assert restore_params(tmp_path, "last", log=warnings.append)[1] == 1
+    assert warnings
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        restore_params(tmp_path, 2)
+
+
+def test_other_model_config_is_a_one_line_error(tmp_path, params):
+    with Checkpoints(tmp_path) as ckpts:
+        ckpts.save(3, params, _OPT, {})
+    wider = _tiny_params(d_model=64)
+    with Checkpoints(tmp_path) as ckpts, pytest.raises(CheckpointError) as info:
+        ckpts.restore_latest(wider, _OPT)
+    message = str(info.value)
+    assert "does not match the model config" in message and "\n" not in message
+    assert "(4, 8) there but (4, 16) now" in message
+
+
+def test_run_config_round_trip_and_missing(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_run_config(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        load_run_config(tmp_path)
+    config = {"model": {"d_model": 32}, "data": {"src": "en"}, "train": {"steps": 2}}
+    save_run_config(tmp_path, config)
+    assert load_run_config(tmp_path) == config
+    assert (tmp_path / "config.json").read_text().startswith("{\n")  # human-readable
+    with pytest.raises(CheckpointError, match="no checkpoints"):
+        restore_params(tmp_path)
+
+
+def test_average_params():
+    a = {"w": np.array([1.0, 2.0], np.float32)}
+    b = {"w": np.array([3.0, 6.0], np.float32)}
+    np.testing.assert_allclose(average_params([a, b])["w"], [2.0, 4.0])
+    assert average_params([a])["w"].dtype == np.float32

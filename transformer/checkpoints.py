@@ -1,0 +1,451 @@
+"""The training workdir: its config, its Orbax checkpoints, and reading parameters back.
+
+Layout of a workdir::
+
+    workdir/config.json       {"model": TransformerConfig.to_dict(), "data": {...}, "train": {...}}
+    workdir/tokenizer.model   the SentencePiece model
+    workdir/checkpoints/<step>/{params,opt_state,meta,metrics}   one Orbax checkpoint per step
+    workdir/metrics.jsonl     one JSON object per logged step
+    workdir/events.out.tfevents.*   TensorBoard
+
+A checkpoint at step N holds the state after N optimizer updates: the float32
+parameters, the optimizer state, and a JSON "meta" item (step, RNG key, data
+iterator position). Checkpoints that were scored on the validation set carry an
+Orbax metric `val_bleu`; the manager keeps the last `keep` checkpoints plus the
+one with the best `val_bleu`. Orbax writes each step to a temporary directory
+and renames it when complete, so a killed process never leaves a step directory
+that looks finished but is not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers
+
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.model"
+CHECKPOINT_DIR = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+BEST_METRIC = "val_bleu"
+
+PyTree = Any
+
+
+class CheckpointError(Exception):
+    """A workdir or checkpoint problem; str() is a one-line message for the user."""
+
+
+class TrainCheckpoint(NamedTuple):
+    """One restored training checkpoint.
+
+    Attributes:
+      step: optimizer updates done.
+      params: float32 parameter pytree (host numpy, unreplicated).
+      opt_state: optimizer state pytree (host numpy, unreplicated).
+      meta: the JSON item saved with it (step, rng, data iterator state, ...).
+    """
+
+    step: int
+    params: PyTree
+    opt_state: PyTree
+    meta: dict[str, Any]
+
+
+def _stderr(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _quiet_orbax() -> Iterator[None]:
+    """Silences Orbax's absl INFO/WARNING chatter (read-only notes, steps saved without metrics)."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def checkpoint_dir(workdir: str | os.PathLike) -> Path:
+    """The directory holding the Orbax step directories of `workdir`."""
+    return Path(workdir).resolve() / CHECKPOINT_DIR
+
+
+def save_run_config(workdir: str | os.PathLike, config: dict[str, Any]) -> Path:
+    """Writes `config` as workdir/config.json (human-readable), atomically.
+
+    Args:
+      workdir: the run directory (created if missing).
+      config: {"model": ..., "data": ..., "train": ...}, JSON-serializable.
+
+    Returns:
+      The path written.
+    """
+    path = Path(workdir) / CONFIG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def load_run_config(workdir: str | os.PathLike) -> dict[str, Any]:
+    """Reads workdir/config.json.
+
+    Args:
+      workdir: a directory written by train.py.
+
+    Returns:
+      The parsed dict with keys "model", "data" and "train".
+
+    Raises:
+      CheckpointError: the workdir or its config.json is missing or unreadable.
+    """
+    path = Path(workdir) / CONFIG_FILE
+    if not Path(workdir).is_dir():
+        raise CheckpointError(
+            f"workdir {workdir} does not exist; train into it with train.py first"
+        )
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing; is {workdir} a workdir written by train.py?")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); restore it or retrain") from None
+    if not isinstance(config, dict) or "model" not in config:
+        raise CheckpointError(f"{path} has no 'model' section; is it a config written by train.py?")
+    return config
+
+
+def _best_metric(metrics: dict[str, float]) -> float:
+    return float(metrics[BEST_METRIC])
+
+
+def _tree_paths_and_shapes(tree: PyTree) -> dict[str, tuple[int, ...]]:
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return {
+        jax.tree_util.keystr(path, simple=True, separator="/"): tuple(x.shape) for path, x in leaves
+    }
+
+
+class Checkpoints:
+    """The Orbax checkpoints of one workdir: save, list, and restore with fallback.
+
+    Keeps the last `keep` checkpoints plus the one with the best validation
+    BLEU (the `val_bleu` metric given to `save`).
+
+    Example:
+      ckpts = Checkpoints(workdir, keep=3)
+      ckpts.save(step, params, opt_state, {"rng": [...], "data": batcher.state()})
+      restored = ckpts.restore_latest(params_like, opt_state_like)
+      ckpts.close()
+
+    Args:
+      workdir: the run directory; checkpoints go under workdir/checkpoints.
+      keep: how many of the most recent checkpoints to keep (>= 1).
+      async_save: write in a background thread; `wait`/`close` block until done.
+      read_only: never write or delete (for evaluation).
+      log: receives one-line warnings (e.g. a damaged checkpoint being skipped).
+    """
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        *,
+        keep: int = 3,
+        async_save: bool = True,
+        read_only: bool = False,
+        log: Callable[[str], None] = _stderr,
+    ):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.directory = checkpoint_dir(workdir)
+        self._log = log
+        policy = checkpoint_managers.AnyPreservationPolicy(
+            [
+                checkpoint_managers.LatestN(n=keep),
+                checkpoint_managers.BestN(
+                    get_metric_fn=_best_metric, n=1, keep_checkpoints_without_metrics=False
+                ),
+            ]
+        )
+        if read_only and not self.directory.is_dir():
+            raise CheckpointError(
+                f"no checkpoints in {Path(workdir)} ({self.directory} is missing)"
+            )
+        # Registering the handlers up front lets `item_metadata` read shapes before any restore.
+        handlers = {
+            "params": ocp.StandardCheckpointHandler(),
+            "opt_state": ocp.StandardCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+        }
+        with _quiet_orbax():
+            options = ocp.CheckpointManagerOptions(
+                preservation_policy=None if read_only else policy,
+                best_fn=_best_metric,
+                best_mode="max",
+                enable_async_checkpointing=async_save and not read_only,
+                read_only=read_only,
+                create=not read_only,
+            )
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, item_handlers=handlers
+            )
+
+    def steps(self) -> list[int]:
+        """Steps with a finished checkpoint, ascending."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest step, or None."""
+        return self._manager.latest_step()
+
+    def best_step(self) -> int | None:
+        """The step with the highest `val_bleu`, or None if no checkpoint has one."""
+        steps = self.steps()
+        scored = [(s, self._manager.metrics(s)) for s in steps]
+        scored = [(_best_metric(m), s) for s, m in scored if m and BEST_METRIC in m]
+        return max(scored)[1] if scored else None
+
+    def metrics(self, step: int) -> dict[str, float] | None:
+        """The metrics saved with `step` (e.g. {"val_bleu": 27.1}), or None."""
+        return self._manager.metrics(step)
+
+    def save(
+        self,
+        step: int,
+        params: PyTree,
+        opt_state: PyTree,
+        meta: dict[str, Any],
+        *,
+        val_bleu: float | None = None,
+    ) -> None:
+        """Writes a checkpoint for `step` (after `step` updates); no-op if it exists.
+
+        The arrays should be unreplicated host values (`jax.device_get`): they
+        are written in the background while training goes on.
+
+        Args:
+          step: optimizer updates done.
+          params: float32 parameter pytree.
+          opt_state: optimizer state pytree.
+          meta: JSON-serializable dict; "step" is added.
+          val_bleu: validation BLEU of these parameters, if measured (used to
+            keep the best checkpoint).
+        """
+        if step in self._manager.all_steps():
+            return
+        args = ocp.args.Composite(
+            params=ocp.args.StandardSave(params),
+            opt_state=ocp.args.StandardSave(opt_state),
+            meta=ocp.args.JsonSave({**meta, "step": int(step)}),
+        )
+        metrics = None if val_bleu is None else {BEST_METRIC: float(val_bleu)}
+        with _quiet_orbax():
+            self._manager.save(step, args=args, metrics=metrics, force=True)
+
+    def check_compatible(self, step: int, params_like: PyTree) -> None:
+        """Raises a one-line CheckpointError if `step`'s parameters do not fit `params_like`.
+
+        Args:
+          step: a checkpoint step.
+          params_like: a parameter pytree (arrays or ShapeDtypeStructs) of the current model.
+        """
+        with _quiet_orbax():
+            saved = self._manager.item_metadata(step)["params"]
+        saved_tree = getattr(saved, "tree", saved)
+        got = _tree_paths_and_shapes(saved_tree)
+        want = _tree_paths_and_shapes(params_like)
+        for name in sorted(set(got) | set(want)):
+            if got.get(name) != want.get(name):
+                raise CheckpointError(
+                    f"checkpoint step {step} in {self.directory} does not match the model config: "
+                    f"parameter {name} is {got.get(name, 'absent')} there but "
+                    f"{want.get(name, 'absent')} now; resume with the config in the workdir's "
+                    f"{CONFIG_FILE} or use a new --workdir"
+                )
+
+    def restore(self, step: int, params_like: PyTree, opt_state_like: PyTree) -> TrainCheckpoint:
+        """Restores one training checkpoint onto the structure of the given templates.
+
+        Args:
+          step: the step to restore.
+          params_like: parameter pytree of the right structure (host values).
+          opt_state_like: optimizer state pytree of the right structure.
+
+        Returns:
+          The checkpoint, with host numpy arrays.
+
+        Raises:
+          CheckpointError: the shapes do not match the current model.
+          Exception: whatever Orbax raises for an unreadable checkpoint.
+        """
+        self.check_compatible(step, params_like)
+        args = ocp.args.Composite(
+            params=ocp.args.StandardRestore(params_like),
+            opt_state=ocp.args.StandardRestore(opt_state_like),
+            meta=ocp.args.JsonRestore(),
+        )
+        with _quiet_orbax():
+            restored = self._manager.restore(step, args=args)
+        return TrainCheckpoint(step, restored["params"], restored["opt_state"], restored["meta"])
+
+    def restore_latest(self, params_like: PyTree, opt_state_like: PyTree) -> TrainCheckpoint | None:
+        """Restores the newest readable checkpoint, skipping (and reporting) damaged ones.
+
+        Args:
+          params_like: parameter pytree of the right structure.
+          opt_state_like: optimizer state pytree of the right structure.
+
+        Returns:
+          The checkpoint, or None when there is none to resume from.
+
+        Raises:
+          CheckpointError: the checkpoints belong to another model config, or
+            every checkpoint is damaged.
+        """
+        steps = self.steps()
+        for i, step in enumerate(reversed(steps)):
+            try:
+                return self.restore(step, params_like, opt_state_like)
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any read failure means "damaged"
+                older = "; trying the one before it" if i + 1 < len(steps) else ""
+                self._log(
+                    f"checkpoint step {step} in {self.directory} is damaged and was skipped "
+                    f"({type(e).__name__}: {_first_line(e)}){older}"
+                )
+        if steps:
+            raise CheckpointError(
+                f"every checkpoint in {self.directory} is damaged; delete it to start over"
+            )
+        return None
+
+    def restore_params(self, step: int) -> PyTree:
+        """Restores only the parameters of `step` (host numpy, float32)."""
+        args = ocp.args.Composite(params=ocp.args.StandardRestore())
+        with _quiet_orbax():
+            return self._manager.restore(step, args=args)["params"]
+
+    def wait(self) -> None:
+        """Blocks until a background save has finished."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Finishes pending saves and releases the manager."""
+        with _quiet_orbax():
+            self._manager.wait_until_finished()
+            self._manager.close()
+
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+def checkpoint_steps(workdir: str | os.PathLike) -> list[int]:
+    """The steps with a checkpoint in `workdir`, ascending ([] if none)."""
+    if not checkpoint_dir(workdir).is_dir():
+        return []
+    with Checkpoints(workdir, read_only=True) as ckpts:
+        return ckpts.steps()
+
+
+def restore_params(
+    workdir: str | os.PathLike,
+    which: str | int = "best",
+    *,
+    log: Callable[[str], None] = _stderr,
+) -> tuple[PyTree, int]:
+    """Reads trained parameters from a workdir.
+
+    Args:
+      workdir: a directory written by train.py.
+      which: "best" (highest validation BLEU; the last checkpoint if none was
+        scored yet), "last" (newest readable; a damaged newest one is reported
+        and the one before it used), or a step number.
+      log: receives one-line warnings.
+
+    Returns:
+      (params, step): the unreplicated float32 parameter pytree as host numpy
+      arrays, for `Transformer(config).apply({"params": params}, ...)`, and the
+      step it was saved at.
+
+    Raises:
+      CheckpointError: no such checkpoint, or it cannot be read.
+    """
+    with Checkpoints(workdir, read_only=True, log=log) as ckpts:
+        steps = ckpts.steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoints in {ckpts.directory}; train with train.py first")
+        if which == "best":
+            best = ckpts.best_step()
+            # A damaged best checkpoint falls back to the newest readable one.
+            candidates = [best] if best is not None else []
+            candidates += [s for s in reversed(steps) if s != best]
+        elif which == "last":
+            candidates = list(reversed(steps))
+        else:
+            try:
+                step = int(which)
+            except (TypeError, ValueError):
+                raise CheckpointError(
+                    f"checkpoint {which!r} is not 'best', 'last' or a step number"
+                ) from None
+            if step not in steps:
+                raise CheckpointError(
+                    f"no checkpoint at step {step} in {ckpts.directory}; available: "
+                    f"{', '.join(map(str, steps))}"
+                )
+            candidates = [step]
+        for i, step in enumerate(candidates):
+            try:
+                params = ckpts.restore_params(step)
+                return jax.tree.map(lambda x: np.asarray(x, np.float32), params), step
+            except Exception as e:  # noqa: BLE001 - any read failure means "damaged"
+                if i + 1 == len(candidates):
+                    raise CheckpointError(
+                        f"checkpoint step {step} in {ckpts.directory} cannot be read "
+                        f"({type(e).__name__}: {_first_line(e)})"
+                    ) from None
+                log(
+                    f"checkpoint step {step} in {ckpts.directory} is damaged and was skipped "
+                    f"({type(e).__name__}: {_first_line(e)}); trying the one before it"
+                )
+    raise AssertionError("unreachable")
+
+
+def average_params(params_list: Sequence[PyTree]) -> PyTree:
+    """Elementwise mean of parameter pytrees of one structure (checkpoint averaging).
+
+    Args:
+      params_list: one or more parameter pytrees.
+
+    Returns:
+      The float32 average, as host numpy arrays.
+    """
+    if not params_list:
+        raise ValueError("average_params needs at least one parameter tree")
+    total = jax.tree.map(lambda x: np.asarray(x, np.float64), params_list[0])
+    for params in params_list[1:]:
+        total = jax.tree.map(lambda t, x: t + np.asarray(x, np.float64), total, params)
+    return jax.tree.map(lambda t: (t / len(params_list)).astype(np.float32), total)
