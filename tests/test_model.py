@@ -1,0 +1,299 @@
+"""Properties of the model library that users rely on, all checked under jax.jit."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer import (
+    MultiHeadAttention,
+    Transformer,
+    TransformerConfig,
+    scaled_dot_product_attention,
+    sinusoidal_positional_encoding,
+)
+
+VOCAB = 40
+
+
+def _config(**overrides) -> TransformerConfig:
+    return TransformerConfig.preset("tiny", vocab_size=VOCAB, **overrides)
+
+
+def _batch(rng: np.random.Generator, batch: int = 3, src_len: int = 7, tgt_len: int = 6):
+    """Random non-padding tokens (ids 1..VOCAB-1) with some padding on the right."""
+    src = rng.integers(1, VOCAB, size=(batch, src_len))
+    tgt = rng.integers(1, VOCAB, size=(batch, tgt_len))
+    src[1, 5:] = 0
+    tgt[2, 4:] = 0
+    return jnp.asarray(src, jnp.int32), jnp.asarray(tgt, jnp.int32)
+
+
+@functools.cache
+def _compiled(config: TransformerConfig):
+    """Model, jitted init and jitted logits for a config, compiled once per test session."""
+    model = Transformer(config)
+    init = jax.jit(model.init)
+    logits = jax.jit(lambda p, s, t: model.apply({"params": p}, s, t))
+    return model, init, logits
+
+
+def _init(config: TransformerConfig, src, tgt, seed: int = 0):
+    model, init, _ = _compiled(config)
+    return model, init(jax.random.key(seed), src, tgt)["params"]
+
+
+def _logits_fn(model):
+    return _compiled(model.config)[2]
+
+
+LAYOUTS = [dict(), dict(pre_layer_norm=True), dict(share_embeddings=False)]
+
+
+@pytest.mark.parametrize("overrides", LAYOUTS, ids=["post_ln", "pre_ln", "unshared"])
+def test_decoder_is_causal(overrides):
+    """Changing target tokens after position t never changes logits at positions <= t."""
+    rng = np.random.default_rng(0)
+    src, tgt = _batch(rng)
+    model, params = _init(_config(**overrides), src, tgt)
+    logits = _logits_fn(model)
+    base = logits(params, src, tgt)
+    for t in range(tgt.shape[1] - 1):
+        changed = tgt.at[:, t + 1 :].set(jnp.asarray(rng.integers(1, VOCAB, (3, 5 - t))))
+        after = logits(params, src, changed)
+        np.testing.assert_allclose(after[:, : t + 1], base[:, : t + 1], atol=1e-5)
+        # The future did change, and it matters to the later positions.
+        assert not np.allclose(after[:, t + 1 :], base[:, t + 1 :], atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides", LAYOUTS, ids=["post_ln", "pre_ln", "unshared"])
+def test_padding_does_not_change_real_positions(overrides):
+    rng = np.random.default_rng(1)
+    src, tgt = _batch(rng)
+    model, params = _init(_config(**overrides), src, tgt)
+    logits = _logits_fn(model)
+    base = logits(params, src, tgt)
+    padded_src = jnp.pad(src, ((0, 0), (0, 5)))
+    padded_tgt = jnp.pad(tgt, ((0, 0), (0, 3)))
+    padded = logits(params, padded_src, padded_tgt)
+    real = np.asarray(tgt != 0)
+    np.testing.assert_allclose(
+        np.asarray(padded[:, : tgt.shape[1]])[real], np.asarray(base)[real], atol=1e-5
+    )
+
+
+def test_logits_shape_and_dtype():
+    src, tgt = _batch(np.random.default_rng(2))
+    model, params = _init(_config(), src, tgt)
+    out = _logits_fn(model)(params, src, tgt)
+    assert out.shape == (3, 6, VOCAB)
+    assert out.dtype == jnp.float32
+
+
+def test_positional_encoding_matches_the_paper_formula():
+    length, d_model = 50, 64
+    pe = np.asarray(jax.jit(sinusoidal_positional_encoding, static_argnums=(0, 1))(length, d_model))
+    expected = np.zeros((length, d_model))
+    for pos in range(length):
+        for i in range(d_model // 2):
+            angle = pos / 10000 ** (2 * i / d_model)
+            expected[pos, 2 * i] = np.sin(angle)
+            expected[pos, 2 * i + 1] = np.cos(angle)
+    assert pe.shape == (length, d_model)
+    np.testing.assert_allclose(pe, expected, atol=2e-5)
+
+
+def test_attention_weights_are_a_distribution_over_unmasked_keys():
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 5, 3, 8)), jnp.float32) for _ in range(3))
+    k_mask = np.ones((2, 5), bool)
+    k_mask[0, 3:] = False
+    k_mask[1, 0] = False
+    mask = jnp.asarray(k_mask)[:, None, None, :]
+    out, weights = jax.jit(scaled_dot_product_attention)(q, k, v, mask)
+    weights = np.asarray(weights)
+    assert weights.shape == (2, 3, 5, 5)
+    assert (weights >= 0).all()
+    np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-6)
+    assert (weights[0, :, :, 3:] == 0).all() and (weights[1, :, :, 0] == 0).all()
+    # The output is the weighted mean of the values under those weights.
+    np.testing.assert_allclose(out, np.einsum("bhqk,bkhd->bqhd", weights, v), atol=1e-5)
+
+
+def test_fully_masked_query_gives_zeros_not_nan():
+    q = k = v = jnp.ones((1, 2, 1, 4))
+    mask = jnp.zeros((1, 1, 2, 2), bool)
+    out, weights = jax.jit(scaled_dot_product_attention)(q, k, v, mask)
+    assert np.isfinite(np.asarray(out)).all()
+    assert (np.asarray(weights) == 0).all()
+
+
+def test_attention_weights_are_recorded():
+    src, tgt = _batch(np.random.default_rng(4))
+    model, params = _init(_config(), src, tgt)
+    _, state = jax.jit(lambda p: model.apply({"params": p}, src, tgt, mutable=["intermediates"]))(
+        params
+    )
+    (cross,) = state["intermediates"]["decoder"]["layer_1"]["cross_attention"]["attention_weights"]
+    assert cross.shape == (3, 4, 6, 7)  # [batch, heads, tgt_len, src_len]
+    assert (np.asarray(cross)[1, :, :, 5:] == 0).all()  # source padding gets no attention
+
+
+def test_base_preset_has_the_papers_parameter_count():
+    """The paper reports 65M parameters for the base model (shared 37000-token vocabulary)."""
+    config = TransformerConfig.preset("base", vocab_size=37000)
+    tokens = jnp.ones((1, 4), jnp.int32)
+    shapes = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens, tokens)
+    count = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
+    assert 60e6 < count < 66e6, count
+    assert config.d_model == 512 and config.d_ff == 2048 and config.num_heads == 8
+    big = TransformerConfig.preset("big", vocab_size=37000)
+    assert (big.d_model, big.d_ff, big.num_heads, big.dropout_rate) == (1024, 4096, 16, 0.3)
+
+
+def _incremental_logits(model, params, src, tgt, max_decode_len):
+    """Feeds tgt one position at a time through the cache; returns [B, T, V] logits."""
+
+    @jax.jit
+    def run(params, src, tgt):
+        encoded = model.apply({"params": params}, src, method=Transformer.encode)
+        _, state = model.apply(
+            {"params": params},
+            encoded,
+            src,
+            max_decode_len,
+            method=Transformer.init_cache,
+            mutable=["cache"],
+        )
+
+        def step(cache, tok_B):
+            logits, state = model.apply(
+                {"params": params, "cache": cache},
+                encoded,
+                src,
+                tok_B[:, None],
+                decode=True,
+                method=Transformer.decode,
+                mutable=["cache"],
+            )
+            return state["cache"], logits[:, 0]
+
+        _, logits_TBV = jax.lax.scan(step, state["cache"], tgt.T)
+        return jnp.swapaxes(logits_TBV, 0, 1)
+
+    return run(params, src, tgt)
+
+
+@pytest.mark.parametrize("overrides", LAYOUTS, ids=["post_ln", "pre_ln", "unshared"])
+def test_incremental_decoding_matches_the_full_decoder(overrides):
+    rng = np.random.default_rng(5)
+    src, tgt = _batch(rng)
+    tgt = tgt.at[2].set(jnp.asarray(rng.integers(1, VOCAB, 6)))  # no padding in the prefix
+    model, params = _init(_config(**overrides), src, tgt)
+    full = _logits_fn(model)(params, src, tgt)
+    incremental = _incremental_logits(model, params, src, tgt, max_decode_len=10)
+    np.testing.assert_allclose(incremental, full, atol=1e-5)
+
+
+def test_cross_attention_cache_is_shared_by_beams():
+    """Decoding r adjacent copies of each sentence against the un-expanded cache equals
+    decoding each sentence on its own, and the cross-attention cache keeps batch B."""
+    rng = np.random.default_rng(6)
+    src, tgt = _batch(rng)
+    model, params = _init(_config(), src, tgt)
+    encoded = model.apply({"params": params}, src, method=Transformer.encode)
+    _, state = model.apply(
+        {"params": params}, encoded, src, 4, method=Transformer.init_cache, mutable=["cache"]
+    )
+    cache = state["cache"]
+    layer = cache["decoder"]["layer_0"]
+    assert layer["cross_attention"]["cross_key"].shape[0] == 3
+    beams = 2
+
+    def expand(path, x):
+        name = path[-1].key
+        return jnp.repeat(x, beams, axis=0) if name in ("cached_key", "cached_value") else x
+
+    beam_cache = jax.tree_util.tree_map_with_path(expand, cache)
+    tok = tgt[:, :1]
+    single, _ = model.apply(
+        {"params": params, "cache": cache},
+        encoded,
+        src,
+        tok,
+        decode=True,
+        method=Transformer.decode,
+        mutable=["cache"],
+    )
+    beamed, _ = model.apply(
+        {"params": params, "cache": beam_cache},
+        encoded,
+        src,
+        jnp.repeat(tok, beams, axis=0),
+        decode=True,
+        method=Transformer.decode,
+        mutable=["cache"],
+    )
+    np.testing.assert_allclose(beamed, jnp.repeat(single, beams, axis=0), atol=1e-6)
+
+
+def test_dropout_only_in_training():
+    src, tgt = _batch(np.random.default_rng(7))
+    model, params = _init(_config(dropout_rate=0.3), src, tgt)
+
+    @jax.jit
+    def train_logits(params, key):
+        return model.apply({"params": params}, src, tgt, train=True, rngs={"dropout": key})
+
+    eval_logits = _logits_fn(model)
+    np.testing.assert_array_equal(eval_logits(params, src, tgt), eval_logits(params, src, tgt))
+    a = train_logits(params, jax.random.key(1))
+    b = train_logits(params, jax.random.key(2))
+    assert not np.allclose(a, b)
+    np.testing.assert_array_equal(a, train_logits(params, jax.random.key(1)))
+
+
+def test_attention_dropout_is_applied_in_training():
+    config = _config(dropout_rate=0.0, attention_dropout_rate=0.5)
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.normal(size=(2, 5, config.d_model)), jnp.float32)
+    mha = MultiHeadAttention(config)
+    params = mha.init(jax.random.key(0), x)["params"]
+    apply = jax.jit(lambda key: mha.apply({"params": params}, x, train=True, rngs={"dropout": key}))
+    assert not np.allclose(apply(jax.random.key(1)), apply(jax.random.key(2)))
+    np.testing.assert_array_equal(
+        mha.apply({"params": params}, x), mha.apply({"params": params}, x)
+    )
+
+
+def test_bfloat16_compute_keeps_float32_parameters():
+    src, tgt = _batch(np.random.default_rng(9))
+    model, params = _init(_config(dtype="bfloat16"), src, tgt)
+    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
+    out = _logits_fn(model)(params, src, tgt)
+    assert out.dtype == jnp.float32 and np.isfinite(np.asarray(out)).all()
+    reference = _logits_fn(Transformer(_config()))(params, src, tgt)
+    np.testing.assert_allclose(out, reference, atol=0.1)
+
+
+def test_shared_embeddings_tie_source_target_and_output():
+    src, tgt = _batch(np.random.default_rng(10))
+    _, shared = _init(_config(), src, tgt)
+    _, separate = _init(_config(share_embeddings=False), src, tgt)
+    assert "shared_embedding" in shared and "output_projection" not in shared["decoder"]
+    assert {"source_embedding", "target_embedding"} <= set(separate)
+    assert "output_projection" in separate["decoder"]
+
+
+def test_config_round_trip_and_validation():
+    config = _config(dropout_rate=0.2)
+    assert TransformerConfig.from_dict(config.to_dict()) == config
+    assert config.replace(dropout_rate=0.0).dropout_rate == 0.0
+    with pytest.raises(ValueError, match="divisible"):
+        _config(d_model=30)
+    with pytest.raises(ValueError, match="unknown preset"):
+        TransformerConfig.preset("huge", vocab_size=10)
+    with pytest.raises(ValueError, match="unknown TransformerConfig fields"):
+        TransformerConfig.from_dict({**config.to_dict(), "d_modle": 3})
