@@ -1,0 +1,26 @@
+"""The input pipeline: parallel corpora in, bucketed token batches out.
+
+Data flows one way::
+
+    load_corpus / read_parallel      raw text -> normalized, cleaned Corpus
+    load_or_train_tokenizer          one joint SentencePiece model per run
+    encode_corpus                    Corpus -> token ids (cached on disk)
+    TokenBatcher / prefetch          ids -> [devices, batch, length] training batches
+    inference_batches                ids -> whole-sentence evaluation batches
+    Tokenizer.decode                 ids -> text (for sacreBLEU)
+"""
+
+from data.errors import DataError
+from data.sources import CleaningSummary, Corpus, CorpusSpec, load_corpus, read_parallel
+from data.text import normalize, read_lines
+
+__all__ = [
+    "CleaningSummary",
+    "Corpus",
+    "CorpusSpec",
+    "DataError",
+    "load_corpus",
+    "normalize",
+    "read_lines",
+    "read_parallel",
+]

@@ -1,0 +1,149 @@
+"""The default dataset, Multi30k (task 1), fetched once into a local cache.
+
+Files come from the Multi30k project's repository
+(github.com/multi30k/dataset, ``data/task1/raw/{train,val,test_2016_flickr}.{lang}.gz``),
+are gunzipped, checked against the SHA-256 below, and stored as
+``{cache}/multi30k/{train,val,test2016}.{lang}``. The cache root is
+``$TRANSFORMER_MT_CACHE`` when set, else ``~/.cache/transformer-mt``.
+
+A download is written to a temporary file in the cache directory and renamed
+into place only once its checksum matches, so an interrupted or corrupted
+download never leaves a half-written file that a later run would trust.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from data.errors import DataError
+
+BASE_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
+LANGUAGES = ("en", "de", "fr", "cs")
+SPLITS = {"train": "train", "val": "val", "test2016": "test_2016_flickr"}  # ours -> upstream name
+
+# SHA-256 of the gunzipped upstream files.
+SHA256 = {
+    "train.en": "460a15fbd157e34a7a9957ee388c1ca247fe47af3ef25fb50442af6c274e0fc6",
+    "train.de": "2c2b73fd2b548fbcde3a875e0a78d6ee94d498bfdee6bd3eae3945779e9ddf72",
+    "train.fr": "5925a3c18f1587b6b54b87743106e6e8ab93618edb6f65d19eac0621f853a10d",
+    "train.cs": "2be68b38c8d586ff4f54eb13cc6e1baaaa053695b3f070d3038303a47f2268da",
+    "val.en": "1f2a23d992769b5b3d209b0a10dd0b77c08cceb1f20dfb97ed0aafa49d107227",
+    "val.de": "660e09eb7e1da2f856ea13ee5ad3cf6d36b3d5b0b733c857e94c5747a3dfc660",
+    "val.fr": "5304e444d842e962b2dda4d816b70b22a1765b15401642b7ca37a67477e708dc",
+    "val.cs": "d53827e469b0a1ca8d57e9e26b2b64c4bc4b33f5479c7b03ae87ae5c882c3e33",
+    "test2016.en": "399a4382932c1aadd3ceb9bef1008d388a64c76d4ae4e9d4728c6f4301cac182",
+    "test2016.de": "4be6b5b3236b79c25475c6bb829800a7ce559e9ba7a1f6c2394fe4d40be46d16",
+    "test2016.fr": "cb3160d69b002bb638e66cc7612fcd56cb0af82eadc9c142dedc438afb885ef6",
+    "test2016.cs": "45adb85f688de8407fddcbe1b36dca15d12aab868149b337e2576f2d6d2ff8d8",
+}
+
+# Tests replace this with a fake opener; it takes a URL and returns a binary file object.
+urlopen = urllib.request.urlopen
+TIMEOUT_S = 60
+
+
+def cache_dir() -> Path:
+    """Cache dir: ``$TRANSFORMER_MT_CACHE/multi30k`` or ``~/.cache/transformer-mt/multi30k``."""
+    root = os.environ.get("TRANSFORMER_MT_CACHE") or os.path.join("~", ".cache", "transformer-mt")
+    return Path(root).expanduser() / "multi30k"
+
+
+def url(split: str, lang: str) -> str:
+    """The upstream URL of the gzipped ``{split}.{lang}`` file."""
+    return f"{BASE_URL}/{SPLITS[split]}.{lang}.gz"
+
+
+def _offline_hint(directory: Path) -> str:
+    return (
+        "if you are offline, pass --data-dir pointing at a folder with the Multi30k files "
+        "named {train,val,test2016}.{lang} (plain text, one sentence per line), "
+        f"or place them in {directory}"
+    )
+
+
+def download(split: str, lang: str, directory: Path) -> Path:
+    """Downloads, gunzips and verifies one file into ``directory``, atomically.
+
+    Args:
+      split: ``"train"``, ``"val"`` or ``"test2016"``.
+      lang: one of :data:`LANGUAGES`.
+      directory: destination; created if needed.
+
+    Returns:
+      The path of the verified file ``directory/{split}.{lang}``.
+
+    Raises:
+      DataError: no network, an HTTP error, or a checksum mismatch.
+    """
+    name = f"{split}.{lang}"
+    source = url(split, lang)
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=directory)
+    try:
+        sha = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            try:
+                with (
+                    urlopen(source, timeout=TIMEOUT_S) as response,
+                    gzip.GzipFile(fileobj=response) as gz,
+                ):
+                    while chunk := gz.read(1 << 20):
+                        sha.update(chunk)
+                        out.write(chunk)
+            except (
+                urllib.error.URLError,
+                OSError,
+                EOFError,
+            ) as e:  # gzip errors are OSError/EOFError
+                reason = getattr(e, "reason", None) or e
+                raise DataError(
+                    f"cannot download Multi30k {name} from {source} ({reason}); "
+                    + _offline_hint(directory)
+                ) from None
+        if sha.hexdigest() != SHA256[name]:
+            raise DataError(
+                f"checksum mismatch for Multi30k {name} downloaded from {source} "
+                f"(sha256 {sha.hexdigest()[:16]}..., expected {SHA256[name][:16]}...); "
+                "the file was discarded, retry later or pass --data-dir with verified files"
+            )
+        os.replace(tmp_name, directory / name)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+    return directory / name
+
+
+def ensure_files(split: str, langs: tuple[str, ...]) -> tuple[Path, ...]:
+    """Returns the cached Multi30k files of one split, downloading missing ones.
+
+    Args:
+      split: ``"train"``, ``"val"`` or ``"test2016"``.
+      langs: language codes, e.g. ``("en", "de")``.
+
+    Returns:
+      One path per language, in order.
+
+    Raises:
+      DataError: unknown split or language, or a failed download.
+    """
+    if split not in SPLITS:
+        raise DataError(f"Multi30k has no split {split!r}; available splits: {', '.join(SPLITS)}")
+    for lang in langs:
+        if lang not in LANGUAGES:
+            raise DataError(f"Multi30k has no language {lang!r}; available: {', '.join(LANGUAGES)}")
+    directory = cache_dir()
+    paths = []
+    for lang in langs:
+        path = directory / f"{split}.{lang}"
+        if not path.is_file():
+            print(f"downloading Multi30k {path.name} into {directory}", file=sys.stderr, flush=True)
+            download(split, lang, directory)
+        paths.append(path)
+    return tuple(paths)

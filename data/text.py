@@ -1,0 +1,108 @@
+"""Reading raw text files and normalizing sentences.
+
+Every sentence that reaches the tokenizer, whether for training, evaluation or
+translation, goes through :func:`normalize`, so the model never sees two
+spellings of the same text.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import unicodedata
+
+from data.errors import DataError
+
+# Multi30k (like many web-crawled corpora) contains a few XML-escaped
+# ampersands (`&amp;` in 16 lines of train.en) next to raw `&` in the aligned
+# German lines and in all val/test files. We unescape exactly the five XML
+# entities so training data, translation input and references agree on `&`.
+# A general HTML unescape is deliberately avoided: it also rewrites text such
+# as `&copy` or `&lt` without a semicolon, which do occur in legitimate text.
+_XML_ENTITIES = {"&amp;": "&", "&lt;": "<", "&gt;": ">", "&quot;": '"', "&apos;": "'", "&#39;": "'"}
+_XML_ENTITY_RE = re.compile("|".join(re.escape(e) for e in _XML_ENTITIES))
+
+# Invisible characters that NFKC keeps but that carry no content in MT data
+# (2 zero-width spaces in Multi30k's train.cs). Zero-width (non-)joiners are
+# kept: they are meaningful in Indic and Arabic scripts.
+_INVISIBLE_RE = re.compile("[\u200b\ufeff\u00ad\u2060]")
+
+NORMALIZATION_VERSION = 1  # part of the token cache key: bump when normalize() changes
+
+
+def normalize(text: str) -> str:
+    """Normalizes one sentence for training and translation alike.
+
+    Steps, in order: the five XML entities (``&amp;`` ...) are unescaped,
+    Unicode NFKC is applied (folds no-break spaces, full-width forms,
+    ligatures), zero-width spaces, byte-order marks, soft hyphens and control
+    characters are removed, and every run of whitespace (tabs included)
+    becomes a single space, with none at either end.
+
+    Args:
+      text: a raw sentence.
+
+    Returns:
+      The normalized sentence (possibly empty).
+    """
+    if "&" in text:
+        text = _XML_ENTITY_RE.sub(lambda m: _XML_ENTITIES[m.group(0)], text)
+    text = _INVISIBLE_RE.sub("", unicodedata.normalize("NFKC", text))
+    if not text.isprintable():  # fast path: most lines have no control characters
+        text = "".join(c if c.isspace() or unicodedata.category(c) != "Cc" else "" for c in text)
+    return " ".join(text.split())
+
+
+def is_junk(text: str) -> bool:
+    """Whether a non-empty normalized sentence has no letter or digit at all.
+
+    Such lines (``@@`` twice in Multi30k's train.de, lone punctuation) are
+    alignment debris, not translations.
+
+    Args:
+      text: a normalized sentence.
+
+    Returns:
+      True when ``text`` contains no alphanumeric character.
+    """
+    return not any(c.isalnum() for c in text)
+
+
+def read_lines(path: str | os.PathLike) -> list[str]:
+    """Reads a UTF-8 text file as a list of raw lines.
+
+    Lines are split on ``\\n`` only (``str.splitlines`` would also split on
+    form feeds, U+2028 and friends, and silently misalign parallel files); a
+    trailing ``\\r`` is dropped.
+
+    Args:
+      path: the file to read.
+
+    Returns:
+      The lines, without line terminators.
+
+    Raises:
+      DataError: the file is missing or unreadable, or it is not valid UTF-8
+        (the message names the file and the line).
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise DataError(f"file not found: {path}") from None
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(
+            f"{path}, line {line}: invalid UTF-8 ({e.reason} at byte {e.start}); "
+            "convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+    if text.startswith("\ufeff"):  # a UTF-8 byte-order mark is not part of the first line
+        text = text[1:]
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]

@@ -1,0 +1,215 @@
+"""TensorFlow Datasets translation corpora, read without TensorFlow.
+
+Any TFDS translation dataset (``wmt14_translate/de-en``,
+``ted_hrlr_translate/pt_to_en``, ...) is downloaded and prepared by TFDS itself
+(its own download manager, checksums and cache in ``tfds_data_dir``), in the
+ArrayRecord file format, and read back with ``builder.as_data_source``, which
+needs neither TensorFlow nor ``tf.data``. A dataset someone already prepared
+in TFRecord format is read through ``tf.data`` and then does need TensorFlow.
+
+For local files, :func:`folder_builder` makes a TFDS dataset out of a directory
+of ``{split}.{lang}`` files (TFDS's own ``TranslateFolder`` requires
+TensorFlow), which is how the TFDS path is exercised offline in the tests.
+
+Install with ``pip install 'transformer-mt[tfds]'`` (tensorflow-datasets and
+array-record).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from data.errors import DataError
+
+# Conventional names of our splits in TFDS datasets.
+SPLIT_ALIASES = {"val": "validation", "valid": "validation", "dev": "validation"}
+
+
+def _import_tfds() -> Any:
+    try:
+        import tensorflow_datasets as tfds
+        import tensorflow_datasets.translate  # noqa: F401  registers wmt*_translate (lazily imported otherwise)
+    except ImportError as e:
+        raise DataError(
+            f"the tfds dataset needs TensorFlow Datasets ({e}); "
+            "install it with pip install 'transformer-mt[tfds]'"
+        ) from None
+    return tfds
+
+
+@functools.cache
+def _folder_builder_class() -> type:
+    tfds = _import_tfds()
+
+    class ParallelTextFolder(tfds.core.GeneratorBasedBuilder):
+        """A TFDS dataset made of the ``{split}.{lang}`` files of one folder, in file order."""
+
+        VERSION = tfds.core.Version("1.0.0")
+
+        def __init__(self, *, root: str, languages: tuple[str, str], splits: list[str], **kwargs):
+            self._root, self._languages, self._splits = Path(root), languages, splits
+            super().__init__(**kwargs)
+
+        def _info(self):
+            return tfds.core.DatasetInfo(
+                builder=self,
+                description=f"Parallel text files {{split}}.{{lang}} from {self._root}.",
+                features=tfds.features.Translation(languages=list(self._languages)),
+                supervised_keys=self._languages,
+                # File order, so that evaluation output lines up with the reference file.
+                disable_shuffling=True,
+            )
+
+        def _split_generators(self, dl_manager):
+            del dl_manager  # local files: nothing to download
+            return {split: self._generate_examples(split) for split in self._splits}
+
+        def _generate_examples(self, split):
+            from data.text import read_lines
+
+            columns = [read_lines(self._root / f"{split}.{lang}") for lang in self._languages]
+            counts = {
+                f"{split}.{lang}": len(c) for lang, c in zip(self._languages, columns, strict=True)
+            }
+            if len(set(counts.values())) != 1:
+                raise DataError(f"parallel files in {self._root} differ in length: {counts}")
+            for i, pair in enumerate(zip(*columns, strict=True)):
+                yield i, dict(zip(self._languages, pair, strict=True))
+
+    return ParallelTextFolder
+
+
+def folder_builder(
+    root: str | os.PathLike, src: str, tgt: str, *, data_dir: str | None = None
+) -> Any:
+    """A TFDS builder for the ``{split}.{src}`` / ``{split}.{tgt}`` files of a folder.
+
+    The builder's config name carries a hash of the files' content, so editing
+    a file makes TFDS prepare a fresh copy instead of serving stale data.
+
+    Args:
+      root: the folder of parallel text files.
+      src: source language code.
+      tgt: target language code.
+      data_dir: where TFDS writes the prepared dataset (TFDS default if None).
+
+    Returns:
+      A ``tfds.core.GeneratorBasedBuilder`` (``parallel_text_folder``).
+    """
+    from data.sources import folder_splits
+
+    root = Path(root).expanduser().resolve()
+    splits = folder_splits(root, src, tgt)
+    if not splits:
+        raise DataError(f"no {{split}}.{src} / {{split}}.{tgt} file pairs in {root}")
+    digest = hashlib.sha256()
+    for split in splits:
+        for lang in (src, tgt):
+            digest.update(f"{split}.{lang}\0".encode())
+            with open(root / f"{split}.{lang}", "rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+    tfds = _import_tfds()
+    config = tfds.core.BuilderConfig(name=f"{src}-{tgt}-{digest.hexdigest()[:16]}")
+    return _folder_builder_class()(
+        root=str(root),
+        languages=(src, tgt),
+        splits=splits,
+        config=config,
+        data_dir=data_dir,
+        file_format="array_record",
+    )
+
+
+def _registered_builder(tfds: Any, name: str, data_dir: str | None) -> Any:
+    try:
+        return tfds.builder(name, data_dir=data_dir, file_format="array_record")
+    except Exception as e:  # noqa: BLE001  TFDS raises several types for unknown names/configs
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(
+            f"unknown TFDS dataset {name!r} ({first_line}); see https://www.tensorflow.org/datasets/catalog"
+        ) from None
+
+
+def _prepare(builder: Any, label: str) -> None:
+    try:
+        builder.download_and_prepare()
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001  network, manual-download and disk errors surface as many types
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        raise DataError(
+            f"TFDS could not download/prepare {label}: {reason}; if offline, use --dataset files "
+            "--data-dir with {split}.{lang} text files, or --tfds-data-dir with a prepared copy"
+        ) from None
+
+
+def _examples(builder: Any, split: str) -> Any:
+    file_format = getattr(builder.info, "file_format", None)
+    if str(getattr(file_format, "value", file_format)) == "array_record":
+        return builder.as_data_source(split=split)
+    try:  # prepared elsewhere as TFRecord: only tf.data can read it
+        return builder.as_dataset(split=split).as_numpy_iterator()
+    except ImportError:
+        raise DataError(
+            f"{builder.data_dir} holds TFRecord files, which need TensorFlow: "
+            "pip install tensorflow, "
+            "or delete that folder so it is prepared again as ArrayRecord"
+        ) from None
+
+
+def load_split(spec: Any, split: str) -> tuple[list[str], list[str]]:
+    """Reads one split of a TFDS translation dataset as raw source/target sentences.
+
+    Args:
+      spec: a :class:`data.CorpusSpec` with ``dataset="tfds"`` and either
+        ``tfds_name`` (a registered dataset) or ``data_dir`` (a folder of
+        ``{split}.{lang}`` files turned into a TFDS dataset).
+      split: split name; ``"val"`` also finds TFDS's ``"validation"``.
+
+    Returns:
+      ``(src_sentences, tgt_sentences)``, raw (not yet normalized).
+
+    Raises:
+      DataError: TFDS missing, unknown dataset/split/language, download failure.
+    """
+    tfds = _import_tfds()
+    if spec.tfds_name:
+        builder, label = (
+            _registered_builder(tfds, spec.tfds_name, spec.tfds_data_dir),
+            spec.tfds_name,
+        )
+    elif spec.data_dir:
+        builder = folder_builder(spec.data_dir, spec.src, spec.tgt, data_dir=spec.tfds_data_dir)
+        label = f"{spec.data_dir} (as a TFDS dataset)"
+    else:
+        raise DataError(
+            "dataset 'tfds' needs --tfds-name (e.g. wmt14_translate/de-en) "
+            "or --data-dir with {split}.{lang} files"
+        )
+    languages = (
+        sorted(builder.info.features.keys()) if hasattr(builder.info.features, "keys") else []
+    )
+    missing = [lang for lang in (spec.src, spec.tgt) if lang not in languages]
+    if missing:
+        raise DataError(
+            f"{label} has no language {missing[0]!r}; its languages are {', '.join(languages)} "
+            "(choose them with --src/--tgt)"
+        )
+    _prepare(builder, label)
+    available = list(builder.info.splits.keys())
+    name = split if split in available else SPLIT_ALIASES.get(split, split)
+    if name not in available:
+        raise DataError(
+            f"{label} has no split {split!r}; available splits: {', '.join(sorted(available))}"
+        )
+    src, tgt = [], []
+    for example in _examples(builder, name):
+        x, y = example[spec.src], example[spec.tgt]
+        src.append(x.decode("utf-8") if isinstance(x, bytes) else str(x))
+        tgt.append(y.decode("utf-8") if isinstance(y, bytes) else str(y))
+    return src, tgt

@@ -1,0 +1,180 @@
+"""Sources and cleaning: normalization, file errors, skip counts, splits (real Multi30k)."""
+
+from pathlib import Path
+
+import pytest
+
+import data
+from data.sources import clean_pairs
+
+
+def write_slice(
+    multi30k_dir: Path, out: Path, split: str = "train", n: int = 300, langs=("en", "de")
+):
+    """Copies the first ``n`` raw lines of ``split`` for each language into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    for lang in langs:
+        lines = (multi30k_dir / f"{split}.{lang}").read_bytes().split(b"\n")[:n]
+        (out / f"{split}.{lang}").write_bytes(b"\n".join(lines) + b"\n")
+    return out
+
+
+def one_line(error: pytest.ExceptionInfo) -> str:
+    message = str(error.value)
+    assert "\n" not in message and message
+    return message
+
+
+# --- normalize ---
+
+
+def test_normalize_folds_spaces_entities_and_invisibles():
+    assert data.normalize("  Ein\u00a0Mann\tgeht  ") == "Ein Mann geht"
+    assert data.normalize("stone &amp; tile &lt;b&gt;") == "stone & tile <b>"
+    assert data.normalize("Jeans & amp und") == "Jeans & amp und"  # not an entity
+    assert data.normalize("AT&T &copy") == "AT&T &copy"  # only the XML entities are unescaped
+    assert data.normalize("a\u200bb\ufeff") == "ab"
+    assert data.normalize("\uff21\uff22 \ufb01") == "AB fi"  # NFKC: full-width, ligature
+    assert data.normalize("a\x00b\x1bc") == "abc"
+    assert data.normalize(" \t \u00a0 ") == ""
+
+
+def test_normalize_on_multi30k_dirt(multi30k_dir):
+    lines = data.read_lines(multi30k_dir / "train.de")
+    normalized = [data.normalize(line) for line in lines]
+    assert normalized[7365] == " ".join(lines[7365].split())  # the stray TAB
+    assert not any("\u00a0" in s or "\t" in s or s != s.strip() for s in normalized)
+    assert all(data.normalize(s) == s for s in normalized)  # idempotent on real text
+    en = [data.normalize(line) for line in data.read_lines(multi30k_dir / "train.en")]
+    assert not any("&amp;" in s for s in en)
+    assert en[3157] == "People walking down the street past a Lounge & Grill."
+
+
+# --- reading files ---
+
+
+def test_read_lines_splits_on_newline_only(tmp_path):
+    path = tmp_path / "f.en"
+    path.write_bytes("one\u2028still one\x0cand one\r\ntwo\n\nfour".encode())
+    assert data.read_lines(path) == ["one\u2028still one\x0cand one", "two", "", "four"]
+
+
+def test_invalid_utf8_names_file_and_line(multi30k_dir, tmp_path):
+    d = write_slice(multi30k_dir, tmp_path, n=20)
+    lines = (d / "train.de").read_bytes().split(b"\n")
+    lines[6] = b"Ein M\xe4nnchen"  # latin-1, line 7
+    (d / "train.de").write_bytes(b"\n".join(lines))
+    with pytest.raises(data.DataError) as e:
+        data.read_parallel(d / "train.en", d / "train.de")
+    message = one_line(e)
+    assert str(d / "train.de") in message and "line 7" in message and "UTF-8" in message
+
+
+def test_missing_file_is_named(multi30k_dir, tmp_path):
+    d = write_slice(multi30k_dir, tmp_path, langs=("en",), n=5)
+    with pytest.raises(data.DataError) as e:
+        data.read_parallel(d / "train.en", d / "train.de")
+    assert str(d / "train.de") in one_line(e)
+
+
+def test_line_count_mismatch_names_both_files_and_counts(multi30k_dir, tmp_path):
+    d = write_slice(multi30k_dir, tmp_path, n=300)
+    (d / "train.de").write_bytes(b"\n".join((d / "train.de").read_bytes().split(b"\n")[:297]))
+    with pytest.raises(data.DataError) as e:
+        data.read_parallel(d / "train.en", d / "train.de")
+    message = one_line(e)
+    assert str(d / "train.en") in message and str(d / "train.de") in message
+    assert "300" in message and "297" in message
+
+
+# --- cleaning ---
+
+
+def test_cleaning_counts_every_skip(multi30k_dir, tmp_path):
+    d = write_slice(multi30k_dir, tmp_path, n=300)
+    en = data.read_lines(d / "train.en")
+    de = data.read_lines(d / "train.de")
+    en[10], de[10] = "", "  "  # empty pair
+    en[20], de[20] = " \t", "\u00a0"  # whitespace only (NBSP folds to a space)
+    en[30] = ""  # one side empty
+    de[40] = "   "  # one side whitespace
+    de[50] = "@@"  # junk, as in Multi30k
+    en[60] = "..."  # junk
+    corpus = clean_pairs(en, de, name="slice")
+    s = corpus.summary
+    assert (s.total, s.empty, s.one_side_empty, s.junk, s.kept) == (300, 2, 2, 2, 294)
+    assert len(corpus.src) == len(corpus.tgt) == 294
+    assert corpus.src[10] == data.normalize(en[11])  # alignment survives the skips
+    assert corpus.tgt[10] == data.normalize(de[11])
+    line = str(s)
+    assert "\n" not in line and "300" in line and "294 kept" in line and "6 skipped" in line
+
+
+def test_full_multi30k_train_skips_exactly_the_two_junk_pairs(multi30k_dir):
+    corpus = data.read_parallel(multi30k_dir / "train.en", multi30k_dir / "train.de")
+    s = corpus.summary
+    assert (s.total, s.kept, s.junk, s.empty, s.one_side_empty) == (29000, 28998, 2, 0, 0)
+    raw_de = data.read_lines(multi30k_dir / "train.de")
+    assert raw_de[16509] == raw_de[16663] == "@@"
+    assert "@@" not in corpus.tgt
+    assert corpus.src_path == str(multi30k_dir / "train.en")
+
+
+def test_clean_false_keeps_every_line_for_evaluation(multi30k_dir, tmp_path):
+    d = write_slice(multi30k_dir, tmp_path, n=50)
+    lines = data.read_lines(d / "train.de")
+    lines[3] = "@@"
+    lines[4] = ""
+    (d / "train.de").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    spec = data.CorpusSpec(dataset="files", data_dir=str(d))
+    corpus = data.load_corpus(spec, "train", clean=False)
+    assert len(corpus.src) == len(corpus.tgt) == 50
+    assert corpus.tgt[3:5] == ["@@", ""]
+    assert corpus.tgt_path == str(d / "train.de")
+    assert corpus.summary.kept == 50 and corpus.summary.skipped == 0
+    assert len(data.load_corpus(spec, "train").tgt) == 48
+
+
+# --- load_corpus ---
+
+
+def test_files_source_any_language_pair(multi30k_dir, tmp_path):
+    d = write_slice(multi30k_dir, tmp_path, split="val", n=30, langs=("fr", "cs"))
+    corpus = data.load_corpus(
+        data.CorpusSpec(dataset="files", data_dir=str(d), src="fr", tgt="cs"), "val"
+    )
+    assert corpus.src[0] == data.normalize(data.read_lines(d / "val.fr")[0])
+    assert corpus.summary.name == "val fr-cs"
+
+
+def test_multi30k_from_data_dir_matches_files(multi30k_dir):
+    spec = data.CorpusSpec(data_dir=str(multi30k_dir))
+    a = data.load_corpus(spec, "test2016")
+    b = data.load_corpus(spec.replace(dataset="files"), "test2016")
+    assert a.src == b.src and a.tgt == b.tgt and len(a.src) == 1000
+
+
+def test_unknown_split_lists_available_splits(multi30k_dir, tmp_path):
+    d = write_slice(multi30k_dir, tmp_path, split="train", n=10)
+    write_slice(multi30k_dir, tmp_path, split="val", n=10)
+    with pytest.raises(data.DataError) as e:
+        data.load_corpus(data.CorpusSpec(dataset="files", data_dir=str(d)), "test")
+    message = one_line(e)
+    assert "'test'" in message and "train, val" in message
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        (data.CorpusSpec(dataset="files"), "--data-dir"),
+        (data.CorpusSpec(dataset="nope"), "multi30k, files, tfds"),
+        (data.CorpusSpec(dataset="files", data_dir="/nonexistent/dir"), "/nonexistent/dir"),
+        (data.CorpusSpec(src="en", tgt="en"), "both 'en'"),
+        (data.CorpusSpec(tgt="xx"), "language 'xx'"),
+    ],
+)
+def test_bad_specs_give_one_line_errors(spec, fragment, monkeypatch, tmp_path):
+    monkeypatch.setenv("TRANSFORMER_MT_CACHE", str(tmp_path))  # never download here
+    with pytest.raises(data.DataError) as e:
+        data.load_corpus(spec, "train")
+    assert fragment in one_line(e)
