@@ -15,3 +15,23 @@ def repo_root() -> Path:
 def multi30k_dir(repo_root: Path) -> Path:
     """The raw Multi30k files ``{train,val,test2016}.{en,de,fr,cs}``, beside the checkout."""
     return repo_root.parent / "shared" / "data" / "multi30k"
+
+
+@pytest.fixture
+def multi30k_slice(multi30k_dir: Path, tmp_path: Path):
+    """A function writing the first ``n`` raw lines of Multi30k files into a folder.
+
+    ``multi30k_slice(n=300, splits=("train", "val"), langs=("en", "de"), out=None)``
+    returns the folder (``tmp_path / "multi30k"`` unless ``out`` is given).
+    """
+
+    def write(n=300, splits=("train", "val"), langs=("en", "de"), out=None) -> Path:
+        out = Path(out) if out is not None else tmp_path / "multi30k"
+        out.mkdir(parents=True, exist_ok=True)
+        for split in splits:
+            for lang in langs:
+                lines = (multi30k_dir / f"{split}.{lang}").read_bytes().split(b"\n")[:n]
+                (out / f"{split}.{lang}").write_bytes(b"\n".join(lines) + b"\n")
+        return out
+
+    return write

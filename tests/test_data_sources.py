@@ -1,22 +1,9 @@
 """Sources and cleaning: normalization, file errors, skip counts, splits (real Multi30k)."""
 
-from pathlib import Path
-
 import pytest
 
 import data
 from data.sources import clean_pairs
-
-
-def write_slice(
-    multi30k_dir: Path, out: Path, split: str = "train", n: int = 300, langs=("en", "de")
-):
-    """Copies the first ``n`` raw lines of ``split`` for each language into ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    for lang in langs:
-        lines = (multi30k_dir / f"{split}.{lang}").read_bytes().split(b"\n")[:n]
-        (out / f"{split}.{lang}").write_bytes(b"\n".join(lines) + b"\n")
-    return out
 
 
 def one_line(error: pytest.ExceptionInfo) -> str:
@@ -59,8 +46,8 @@ def test_read_lines_splits_on_newline_only(tmp_path):
     assert data.read_lines(path) == ["one\u2028still one\x0cand one", "two", "", "four"]
 
 
-def test_invalid_utf8_names_file_and_line(multi30k_dir, tmp_path):
-    d = write_slice(multi30k_dir, tmp_path, n=20)
+def test_invalid_utf8_names_file_and_line(multi30k_slice):
+    d = multi30k_slice(n=20, splits=("train",))
     lines = (d / "train.de").read_bytes().split(b"\n")
     lines[6] = b"Ein M\xe4nnchen"  # latin-1, line 7
     (d / "train.de").write_bytes(b"\n".join(lines))
@@ -70,15 +57,15 @@ def test_invalid_utf8_names_file_and_line(multi30k_dir, tmp_path):
     assert str(d / "train.de") in message and "line 7" in message and "UTF-8" in message
 
 
-def test_missing_file_is_named(multi30k_dir, tmp_path):
-    d = write_slice(multi30k_dir, tmp_path, langs=("en",), n=5)
+def test_missing_file_is_named(multi30k_slice):
+    d = multi30k_slice(n=5, splits=("train",), langs=("en",))
     with pytest.raises(data.DataError) as e:
         data.read_parallel(d / "train.en", d / "train.de")
     assert str(d / "train.de") in one_line(e)
 
 
-def test_line_count_mismatch_names_both_files_and_counts(multi30k_dir, tmp_path):
-    d = write_slice(multi30k_dir, tmp_path, n=300)
+def test_line_count_mismatch_names_both_files_and_counts(multi30k_slice):
+    d = multi30k_slice(n=300, splits=("train",))
     (d / "train.de").write_bytes(b"\n".join((d / "train.de").read_bytes().split(b"\n")[:297]))
     with pytest.raises(data.DataError) as e:
         data.read_parallel(d / "train.en", d / "train.de")
@@ -90,8 +77,8 @@ def test_line_count_mismatch_names_both_files_and_counts(multi30k_dir, tmp_path)
 # --- cleaning ---
 
 
-def test_cleaning_counts_every_skip(multi30k_dir, tmp_path):
-    d = write_slice(multi30k_dir, tmp_path, n=300)
+def test_cleaning_counts_every_skip(multi30k_slice):
+    d = multi30k_slice(n=300, splits=("train",))
     en = data.read_lines(d / "train.en")
     de = data.read_lines(d / "train.de")
     en[10], de[10] = "", "  "  # empty pair
@@ -120,8 +107,8 @@ def test_full_multi30k_train_skips_exactly_the_two_junk_pairs(multi30k_dir):
     assert corpus.src_path == str(multi30k_dir / "train.en")
 
 
-def test_clean_false_keeps_every_line_for_evaluation(multi30k_dir, tmp_path):
-    d = write_slice(multi30k_dir, tmp_path, n=50)
+def test_clean_false_keeps_every_line_for_evaluation(multi30k_slice):
+    d = multi30k_slice(n=50, splits=("train",))
     lines = data.read_lines(d / "train.de")
     lines[3] = "@@"
     lines[4] = ""
@@ -138,8 +125,8 @@ def test_clean_false_keeps_every_line_for_evaluation(multi30k_dir, tmp_path):
 # --- load_corpus ---
 
 
-def test_files_source_any_language_pair(multi30k_dir, tmp_path):
-    d = write_slice(multi30k_dir, tmp_path, split="val", n=30, langs=("fr", "cs"))
+def test_files_source_any_language_pair(multi30k_slice):
+    d = multi30k_slice(splits=("val",), n=30, langs=("fr", "cs"))
     corpus = data.load_corpus(
         data.CorpusSpec(dataset="files", data_dir=str(d), src="fr", tgt="cs"), "val"
     )
@@ -154,9 +141,9 @@ def test_multi30k_from_data_dir_matches_files(multi30k_dir):
     assert a.src == b.src and a.tgt == b.tgt and len(a.src) == 1000
 
 
-def test_unknown_split_lists_available_splits(multi30k_dir, tmp_path):
-    d = write_slice(multi30k_dir, tmp_path, split="train", n=10)
-    write_slice(multi30k_dir, tmp_path, split="val", n=10)
+def test_unknown_split_lists_available_splits(multi30k_slice):
+    d = multi30k_slice(splits=("train",), n=10)
+    multi30k_slice(splits=("val",), n=10)
     with pytest.raises(data.DataError) as e:
         data.load_corpus(data.CorpusSpec(dataset="files", data_dir=str(d)), "test")
     message = one_line(e)

@@ -1,0 +1,110 @@
+"""Multi30k cache: download from a fake opener, checksum rejection, offline message, atomicity."""
+
+import gzip
+import io
+import urllib.error
+
+import pytest
+
+import data
+from data import multi30k
+
+
+class FakeOpener:
+    """Serves gzipped bytes per URL, like urllib's opener; records what was asked."""
+
+    def __init__(self, files: dict[str, bytes]):
+        self.files = files
+        self.urls: list[str] = []
+
+    def __call__(self, url, timeout=None):
+        self.urls.append(url)
+        name = url.rsplit("/", 1)[1].removesuffix(".gz")
+        return io.BytesIO(gzip.compress(self.files[name]))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRANSFORMER_MT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "multi30k"
+
+
+def upstream(multi30k_dir, split, langs=("en", "de")):
+    """The local files under their upstream names (test2016 is test_2016_flickr there)."""
+    return {
+        f"{multi30k.SPLITS[split]}.{lang}": (multi30k_dir / f"{split}.{lang}").read_bytes()
+        for lang in langs
+    }
+
+
+def test_checksums_are_those_of_the_local_copies(multi30k_dir):
+    import hashlib
+
+    for name, sha in multi30k.SHA256.items():
+        assert hashlib.sha256((multi30k_dir / name).read_bytes()).hexdigest() == sha
+    assert len(multi30k.SHA256) == 3 * 4
+
+
+def test_download_verifies_and_caches(multi30k_dir, cache, monkeypatch):
+    opener = FakeOpener(upstream(multi30k_dir, "test2016"))
+    monkeypatch.setattr(multi30k, "urlopen", opener)
+    corpus = data.load_corpus(data.CorpusSpec(), "test2016")
+    assert opener.urls == [
+        "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/test_2016_flickr.en.gz",
+        "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/test_2016_flickr.de.gz",
+    ]
+    for lang in ("en", "de"):
+        assert (cache / f"test2016.{lang}").read_bytes() == (
+            multi30k_dir / f"test2016.{lang}"
+        ).read_bytes()
+    assert sorted(p.name for p in cache.iterdir()) == [
+        "test2016.de",
+        "test2016.en",
+    ]  # no temp files
+    reference = data.load_corpus(data.CorpusSpec(data_dir=str(multi30k_dir)), "test2016")
+    assert corpus.src == reference.src and corpus.tgt == reference.tgt
+    assert corpus.tgt_path == str(cache / "test2016.de")
+    data.load_corpus(data.CorpusSpec(), "test2016")
+    assert len(opener.urls) == 2  # second use: from the cache
+
+
+def test_wrong_content_is_rejected_and_nothing_is_kept(multi30k_dir, cache, monkeypatch):
+    files = upstream(multi30k_dir, "val")
+    files["val.de"] = files["val.de"].replace(b"Mann", b"Frau", 1)
+    monkeypatch.setattr(multi30k, "urlopen", FakeOpener(files))
+    with pytest.raises(data.DataError) as e:
+        data.load_corpus(data.CorpusSpec(), "val")
+    message = str(e.value)
+    assert "\n" not in message and "checksum mismatch" in message and "val.de" in message
+    assert sorted(p.name for p in cache.iterdir()) == ["val.en"]  # the verified file only
+
+
+def test_truncated_download_leaves_no_file(multi30k_dir, cache, monkeypatch):
+    def opener(url, timeout=None):
+        return io.BytesIO(gzip.compress((multi30k_dir / "val.en").read_bytes())[:5000])
+
+    monkeypatch.setattr(multi30k, "urlopen", opener)
+    with pytest.raises(data.DataError):
+        data.load_corpus(data.CorpusSpec(), "val")
+    assert list(cache.iterdir()) == []
+
+
+def test_offline_without_cache_says_how_to_use_data_dir(cache, monkeypatch):
+    def offline(url, timeout=None):
+        raise urllib.error.URLError(OSError(-2, "Name or service not known"))
+
+    monkeypatch.setattr(multi30k, "urlopen", offline)
+    with pytest.raises(data.DataError) as e:
+        data.load_corpus(data.CorpusSpec(), "train")
+    message = str(e.value)
+    assert (
+        "\n" not in message and "--data-dir" in message and "Name or service not known" in message
+    )
+    assert list(cache.iterdir()) == []
+
+
+def test_unknown_split_and_language(cache):
+    with pytest.raises(data.DataError, match="train, val, test2016"):
+        data.load_corpus(data.CorpusSpec(), "test2017")
+    with pytest.raises(data.DataError, match="en, de, fr, cs"):
+        data.load_corpus(data.CorpusSpec(tgt="ja"), "train")

@@ -1,0 +1,46 @@
+"""The TFDS path, really exercised offline: a TFDS dataset built from a Multi30k slice."""
+
+import pytest
+
+import data
+
+
+def tfds_spec(folder, tmp_path, **kw):
+    return data.CorpusSpec(
+        dataset="tfds", data_dir=str(folder), tfds_data_dir=str(tmp_path / "tfds"), **kw
+    )
+
+
+def test_tfds_folder_dataset_matches_the_files(multi30k_slice, tmp_path):
+    folder = multi30k_slice(n=200, splits=("train", "val"))
+    spec = tfds_spec(folder, tmp_path)
+    for split in ("train", "val"):
+        via_tfds = data.load_corpus(spec, split)
+        via_files = data.load_corpus(spec.replace(dataset="files"), split)
+        assert via_tfds.src == via_files.src and via_tfds.tgt == via_files.tgt  # same order
+        assert str(via_tfds.summary) == str(via_files.summary)
+    assert list((tmp_path / "tfds").glob("parallel_text_folder/*/1.0.0/*.array_record*"))
+    reversed_pair = data.load_corpus(tfds_spec(folder, tmp_path, src="de", tgt="en"), "val")
+    assert reversed_pair.src == via_files.tgt
+
+
+def test_tfds_errors_are_one_line(multi30k_slice, tmp_path):
+    spec = tfds_spec(multi30k_slice(n=20, splits=("train", "val")), tmp_path)
+    with pytest.raises(data.DataError, match="available splits: train, val"):
+        data.load_corpus(spec, "test")
+    with pytest.raises(data.DataError, match="no {split}.fr"):
+        data.load_corpus(spec.replace(src="fr"), "train")
+    with pytest.raises(data.DataError, match="unknown TFDS dataset 'no_such_translate'"):
+        data.load_corpus(spec.replace(tfds_name="no_such_translate"), "train")
+    with pytest.raises(data.DataError, match="its languages are en, pt"):
+        data.load_corpus(spec.replace(tfds_name="ted_hrlr_translate/pt_to_en"), "train")
+    with pytest.raises(data.DataError, match="--tfds-name"):
+        data.load_corpus(data.CorpusSpec(dataset="tfds"), "train")
+
+
+def test_edited_files_are_prepared_again(multi30k_slice, tmp_path):
+    folder = multi30k_slice(n=20, splits=("val",))
+    spec = tfds_spec(folder, tmp_path)
+    assert len(data.load_corpus(spec, "val").src) == 20
+    multi30k_slice(n=25, splits=("val",))
+    assert len(data.load_corpus(spec, "val").src) == 25
