@@ -1,0 +1,160 @@
+"""Properties of greedy and beam search on tiny random models."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer import Transformer, TransformerConfig
+from transformer.decoding import beam_search, greedy_search, length_penalty
+
+PAD, BOS, EOS = 0, 1, 2
+
+
+def _peaked_model(vocab_size: int, seed: int = 0, scale: float = 3.0):
+    """A tiny random model whose weights are scaled up so next-token distributions are peaked."""
+    config = TransformerConfig.preset("tiny", vocab_size=vocab_size, dropout_rate=0.0)
+    model = Transformer(config)
+    dummy = jnp.ones((1, 4), jnp.int32)
+    params = model.init(jax.random.key(seed), dummy, dummy)["params"]
+    return model, jax.tree.map(lambda x: x * scale, params)
+
+
+def _sources(vocab_size: int, lengths: list[int], seed: int = 0) -> jax.Array:
+    """Random sources (words then the end token) of the given non-padding lengths, right-padded."""
+    rng = np.random.default_rng(seed)
+    src = np.zeros((len(lengths), max(lengths)), np.int32)
+    for row, n in enumerate(lengths):
+        src[row, : n - 1] = rng.integers(EOS + 1, vocab_size, size=n - 1)
+        src[row, n - 1] = EOS
+    return jnp.asarray(src)
+
+
+@pytest.fixture(scope="module")
+def model_and_sources():
+    model, params = _peaked_model(vocab_size=16)
+    return model, params, _sources(16, [6, 3, 9, 4])
+
+
+def _assert_well_formed(tokens: np.ndarray, src: np.ndarray, max_extra_len: int):
+    """No padding inside a hypothesis, padding after its end, length within the limit."""
+    for row, src_row in zip(tokens, src, strict=True):
+        ends = np.flatnonzero(row == EOS)
+        n = ends[0] + 1 if len(ends) else np.count_nonzero(row != PAD)
+        assert np.all(row[:n] != PAD) and np.all(row[n:] == PAD)
+        assert n <= np.count_nonzero(src_row != PAD) + max_extra_len
+
+
+def test_beam_of_one_is_greedy(model_and_sources):
+    model, params, src = model_and_sources
+    kw = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_extra_len=5)
+    greedy = np.asarray(greedy_search(model, params, src, **kw))
+    beam, _ = beam_search(model, params, src, beam_size=1, alpha=0.0, **kw)
+    np.testing.assert_array_equal(np.asarray(beam), greedy)
+    _assert_well_formed(greedy, np.asarray(src), 5)
+    # The random model must exercise both endings: by the end token and by the length limit.
+    assert (greedy == EOS).any(axis=1).any() and not (greedy == EOS).any(axis=1).all()
+
+
+def test_cached_equals_uncached(model_and_sources):
+    model, params, src = model_and_sources
+    kw = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_extra_len=5)
+    np.testing.assert_array_equal(
+        greedy_search(model, params, src, **kw),
+        greedy_search(model, params, src, use_cache=False, **kw),
+    )
+    cached, cached_scores = beam_search(model, params, src, beam_size=3, **kw)
+    uncached, uncached_scores = beam_search(model, params, src, beam_size=3, use_cache=False, **kw)
+    np.testing.assert_array_equal(cached, uncached)
+    np.testing.assert_allclose(cached_scores, uncached_scores, rtol=1e-5)
+    _assert_well_formed(np.asarray(cached), np.asarray(src), 5)
+
+
+def test_beam_search_ignores_batch_neighbours(model_and_sources):
+    """A sentence decodes the same alone as in a batch with longer, padded neighbours."""
+    model, params, src = model_and_sources
+    kw = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_extra_len=5, beam_size=3)
+    batch_tokens, batch_scores = beam_search(model, params, src, **kw)
+    alone = src[1:2, :3]  # sentence 1 has 3 real tokens
+    alone_tokens, alone_scores = beam_search(model, params, alone, **kw)
+    np.testing.assert_array_equal(alone_tokens[0], batch_tokens[1, : alone_tokens.shape[1]])
+    assert np.all(np.asarray(batch_tokens[1, alone_tokens.shape[1] :]) == PAD)
+    np.testing.assert_allclose(alone_scores[0], batch_scores[1], rtol=1e-5)
+
+
+def _exhaustive_best(model, params, src, vocab_size: int, limits: list[int], alpha: float):
+    """Scores every possible output of each sentence; returns its best tokens and score.
+
+    The outputs of sentence b are every sequence of non-padding tokens that
+    ends with its first end token within limits[b] tokens, plus every sequence
+    of exactly limits[b] tokens without one (cut off by the limit), as in
+    beam_search.
+    """
+    tokens = [t for t in range(vocab_size) if t != PAD]
+    words = [t for t in tokens if t != EOS]
+    best = []
+    for b, limit in enumerate(limits):
+        outputs = [
+            (*prefix, EOS) for n in range(limit) for prefix in itertools.product(words, repeat=n)
+        ]
+        outputs += list(itertools.product(words, repeat=limit))
+        tgt_out = np.full((len(outputs), limit), PAD, np.int32)
+        for i, y in enumerate(outputs):
+            tgt_out[i, : len(y)] = y
+        tgt_in = np.concatenate([np.full((len(outputs), 1), BOS), tgt_out[:, :-1]], axis=1)
+        tgt_in = np.where(tgt_in == EOS, PAD, tgt_in)  # nothing follows the end token
+        src_b = jnp.repeat(src[b : b + 1], len(outputs), axis=0)
+        logits = model.apply({"params": params}, src_b, jnp.asarray(tgt_in))
+        logp = np.asarray(jax.nn.log_softmax(logits.at[..., PAD].set(-jnp.inf), axis=-1))
+        token_logp = np.take_along_axis(logp, tgt_out[..., None], axis=-1)[..., 0]
+        lengths = np.array([len(y) for y in outputs])
+        real = np.arange(limit)[None, :] < lengths[:, None]
+        scores = np.where(real, token_logp, 0.0).sum(axis=1) / np.asarray(
+            length_penalty(lengths, alpha)
+        )
+        i = int(np.argmax(scores))
+        best.append((tgt_out[i], scores[i]))
+    return best
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_full_width_beam_is_exhaustive_search(alpha):
+    """With a beam holding every unfinished prefix, beam search finds the exhaustive optimum.
+
+    Vocabulary 6: padding (never generated), start, end and three words, so a
+    prefix continues with 4 tokens (the start token may be generated). With an
+    output limit of L tokens there are 4^(L-1) unfinished prefixes at the last
+    step, so a beam of 4^(L-1) keeps every one, and the search can only be
+    exact if its early stop and its length-limit handling are. (A beam as wide
+    as the vocabulary is exhaustive only up to L = 2.) Sentences get
+    different limits (source length + max_extra_len) to check they are
+    per sentence.
+    """
+    vocab_size, max_extra_len = 6, 2
+    model, params = _peaked_model(vocab_size, seed=2, scale=1.0)
+    src = _sources(vocab_size, [2, 1], seed=2)
+    limits = [2 + max_extra_len, 1 + max_extra_len]
+    beam_size = 4 ** (max(limits) - 1)
+    tokens, scores = beam_search(
+        model,
+        params,
+        src,
+        bos_id=BOS,
+        eos_id=EOS,
+        pad_id=PAD,
+        beam_size=beam_size,
+        alpha=alpha,
+        max_extra_len=max_extra_len,
+    )
+    exhaustive = _exhaustive_best(model, params, src, vocab_size, limits, alpha)
+    for b, (best_tokens, best_score) in enumerate(exhaustive):
+        np.testing.assert_array_equal(np.asarray(tokens[b, : limits[b]]), best_tokens)
+        np.testing.assert_allclose(float(scores[b]), best_score, rtol=1e-5)
+    # The optimum is off the greedy path for some sentence, so the search had to look ahead.
+    greedy = greedy_search(model, params, src, bos_id=BOS, eos_id=EOS, max_extra_len=max_extra_len)
+    assert any(
+        not np.array_equal(np.asarray(greedy[b, : limits[b]]), best)
+        for b, (best, _) in enumerate(exhaustive)
+    )
