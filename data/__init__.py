@@ -13,14 +13,24 @@ Data flows one way::
 from data.errors import DataError
 from data.sources import CleaningSummary, Corpus, CorpusSpec, load_corpus, read_parallel
 from data.text import normalize, read_lines
+from data.tokenizer import (
+    DEFAULT_VOCAB_SIZE,
+    Tokenizer,
+    load_or_train_tokenizer,
+    train_tokenizer,
+)
 
 __all__ = [
+    "DEFAULT_VOCAB_SIZE",
     "CleaningSummary",
     "Corpus",
     "CorpusSpec",
     "DataError",
+    "Tokenizer",
     "load_corpus",
+    "load_or_train_tokenizer",
     "normalize",
     "read_lines",
     "read_parallel",
+    "train_tokenizer",
 ]

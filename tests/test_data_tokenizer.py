@@ -1,0 +1,85 @@
+"""Tokenizer: special ids, exact round trip on test2016, deterministic training, reuse."""
+
+import numpy as np
+import pytest
+
+import data
+
+
+@pytest.fixture
+def small_corpus(multi30k_slice):
+    spec = data.CorpusSpec(dataset="files", data_dir=str(multi30k_slice(n=300, splits=("train",))))
+    return data.load_corpus(spec, "train")
+
+
+def test_special_ids_come_from_the_model(multi30k_tokenizer):
+    tok = multi30k_tokenizer
+    assert (tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id) == (0, 1, 2, 3)
+    pieces = [tok.id_to_piece(i) for i in (tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id)]
+    assert pieces == ["<pad>", "<unk>", "<s>", "</s>"]
+    assert tok.vocab_size == data.DEFAULT_VOCAB_SIZE and tok.model_type == "bpe"
+    ids = tok.encode("Ein Mann fährt Fahrrad.")
+    assert ids and not {tok.pad_id, tok.bos_id, tok.eos_id} & set(ids)
+
+
+@pytest.mark.parametrize("lang_side", ["src", "tgt"])  # en, de
+def test_round_trip_on_test2016(multi30k_tokenizer, multi30k_dir, lang_side):
+    test = data.load_corpus(data.CorpusSpec(data_dir=str(multi30k_dir)), "test2016", clean=False)
+    sentences = getattr(test, lang_side)
+    assert len(sentences) == 1000
+    tok = multi30k_tokenizer
+    for s in sentences:
+        ids = tok.encode(s)
+        assert tok.unk_id not in ids
+        assert tok.decode(ids) == s  # s is already normalize()d
+
+
+def test_unseen_characters_fall_back_to_bytes(multi30k_tokenizer):
+    tok = multi30k_tokenizer
+    s = data.normalize("Ein Schneemann ☃ in Zürich, 雪だるま.")
+    ids = tok.encode(s)
+    assert tok.unk_id not in ids and tok.decode(ids) == s
+    assert any(tok.id_to_piece(i).startswith("<0x") for i in ids)
+
+
+def test_decode_stops_at_eos_and_skips_pad_and_bos(multi30k_tokenizer):
+    tok = multi30k_tokenizer
+    ids = tok.encode("Zwei Hunde spielen.")
+    row = [tok.bos_id, *ids, tok.eos_id, *tok.encode("Müll"), tok.pad_id, tok.pad_id]
+    assert tok.decode(row) == "Zwei Hunde spielen."
+    assert tok.decode([tok.pad_id, *ids[:2], tok.pad_id, *ids[2:]]) == "Zwei Hunde spielen."
+    assert tok.decode(np.array([tok.bos_id, *ids], np.int32)) == "Zwei Hunde spielen."
+
+
+@pytest.mark.parametrize("model_type", ["bpe", "unigram"])
+def test_training_is_deterministic(small_corpus, tmp_path, model_type):
+    texts = small_corpus.src + small_corpus.tgt
+    a = data.train_tokenizer(texts, tmp_path / "a.model", vocab_size=500, model_type=model_type)
+    b = data.train_tokenizer(texts, tmp_path / "b.model", vocab_size=500, model_type=model_type)
+    assert (tmp_path / "a.model").read_bytes() == (tmp_path / "b.model").read_bytes()
+    assert a.fingerprint == b.fingerprint and a.model_type == model_type
+    assert data.Tokenizer.load(tmp_path / "a.model").fingerprint == a.fingerprint
+
+
+def test_load_or_train_reuses_the_run_model(small_corpus, tmp_path):
+    first = data.load_or_train_tokenizer(tmp_path, small_corpus, vocab_size=400, model_type="bpe")
+    assert first.path == str(tmp_path / "tokenizer.model")
+    other = data.Corpus(src=["x y z"] * 5, tgt=["a b c"] * 5, summary=small_corpus.summary)
+    again = data.load_or_train_tokenizer(tmp_path, other, vocab_size=400, model_type="bpe")
+    assert again.fingerprint == first.fingerprint  # loaded, not retrained on `other`
+    with pytest.raises(data.DataError, match="use a new --workdir"):
+        data.load_or_train_tokenizer(tmp_path, small_corpus, vocab_size=800, model_type="bpe")
+
+
+def test_bad_settings_and_files_are_one_line_errors(small_corpus, tmp_path):
+    texts = small_corpus.src[:50]
+    with pytest.raises(data.DataError, match="choose a smaller --vocab-size") as e:
+        data.train_tokenizer(texts, tmp_path / "t.model", vocab_size=8000)
+    assert "\n" not in str(e.value)
+    with pytest.raises(data.DataError, match="model type"):
+        data.train_tokenizer(texts, tmp_path / "t.model", model_type="wordpiece")
+    (tmp_path / "junk.model").write_bytes(b"not a model")
+    with pytest.raises(data.DataError, match="not a SentencePiece model"):
+        data.Tokenizer.load(tmp_path / "junk.model")
+    with pytest.raises(data.DataError, match="cannot read tokenizer"):
+        data.Tokenizer.load(tmp_path / "missing.model")
