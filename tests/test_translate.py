@@ -1,0 +1,88 @@
+"""translate(): normalization, batching, input order and empty lines, on a real tokenizer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import data
+from transformer import Transformer, TransformerConfig
+from transformer.decoding import greedy_search
+from transformer.translate import encode_sources, translate, translate_ids
+
+MAX_EXTRA_LEN = 4
+
+
+@pytest.fixture(scope="module")
+def setup(multi30k_dir, tmp_path_factory):
+    """A tokenizer trained on 300 lines of Multi30k, a random tiny model and 12 test sentences."""
+    corpus = data.read_parallel(multi30k_dir / "val.en", multi30k_dir / "val.de")
+    tokenizer = data.train_tokenizer(
+        corpus.src[:300] + corpus.tgt[:300],
+        tmp_path_factory.mktemp("tok") / "tokenizer.model",
+        vocab_size=400,
+    )
+    model = Transformer(TransformerConfig.preset("tiny", vocab_size=tokenizer.vocab_size))
+    dummy = jnp.ones((1, 4), jnp.int32)
+    params = model.init(jax.random.key(0), dummy, dummy)["params"]
+    params = jax.tree.map(lambda x: 3.0 * x, params)  # random but source-dependent outputs
+    sentences = data.read_lines(multi30k_dir / "test2016.en")[:12]
+    return model, params, tokenizer, sentences
+
+
+def test_batching_and_order_do_not_change_translations(setup):
+    model, params, tokenizer, sentences = setup
+    kw = dict(greedy=True, max_extra_len=MAX_EXTRA_LEN)
+    one_batch = translate(model, params, tokenizer, sentences, max_tokens=4096, **kw)
+    assert len(set(one_batch)) > 1, "a model that ignores its input cannot check ordering"
+    many_batches = translate(model, params, tokenizer, sentences, max_tokens=40, **kw)
+    assert many_batches == one_batch
+    reversed_input = translate(model, params, tokenizer, sentences[::-1], max_tokens=4096, **kw)
+    assert reversed_input[::-1] == one_batch
+
+
+def test_translation_is_the_detokenized_search_output(setup):
+    model, params, tokenizer, sentences = setup
+    sentence = sentences[3]
+    src_ids = encode_sources(tokenizer, [sentence])[0]
+    assert src_ids[-1] == tokenizer.eos_id and src_ids[:-1] == tokenizer.encode(
+        data.normalize(sentence)
+    )
+    tokens = greedy_search(
+        model,
+        params,
+        jnp.asarray([src_ids], jnp.int32),
+        bos_id=tokenizer.bos_id,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        max_extra_len=MAX_EXTRA_LEN,
+    )
+    expected = tokenizer.decode(np.asarray(tokens[0]))
+    got = translate(model, params, tokenizer, [sentence], greedy=True, max_extra_len=MAX_EXTRA_LEN)
+    assert got == [expected]
+
+
+def test_empty_and_blank_lines_give_empty_outputs(setup):
+    model, params, tokenizer, sentences = setup
+    lines = ["", sentences[0], "   ", "\t", sentences[1], ""]
+    out = translate(model, params, tokenizer, lines, beam_size=2, max_extra_len=MAX_EXTRA_LEN)
+    assert len(out) == len(lines)
+    assert [o for o, line in zip(out, lines, strict=True) if not line.strip()] == ["", "", "", ""]
+    assert translate(model, params, tokenizer, [], max_extra_len=MAX_EXTRA_LEN) == []
+
+
+def test_raw_input_is_normalized_like_training_data(setup):
+    """No-break spaces, an XML entity and extra whitespace translate like the clean sentence."""
+    model, params, tokenizer, _ = setup
+    clean = "A man & a dog."
+    dirty = "  A\u00a0man &amp; a\tdog.  "
+    ids = translate_ids(
+        model,
+        params,
+        encode_sources(tokenizer, [clean, dirty]),
+        bos_id=tokenizer.bos_id,
+        eos_id=tokenizer.eos_id,
+        greedy=True,
+        max_extra_len=MAX_EXTRA_LEN,
+    )
+    assert ids[0] == ids[1] and tokenizer.eos_id not in ids[0]
