@@ -10,7 +10,16 @@ Data flows one way::
     Tokenizer.decode                 ids -> text (for sacreBLEU)
 """
 
+from data.batching import (
+    DEFAULT_MAX_LEN,
+    EncodedCorpus,
+    TokenBatcher,
+    choose_bucket_shapes,
+    encode_corpus,
+    inference_batches,
+)
 from data.errors import DataError
+from data.prefetch import Prefetcher, prefetch
 from data.sources import CleaningSummary, Corpus, CorpusSpec, load_corpus, read_parallel
 from data.text import normalize, read_lines
 from data.tokenizer import (
@@ -21,15 +30,23 @@ from data.tokenizer import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_LEN",
     "DEFAULT_VOCAB_SIZE",
     "CleaningSummary",
     "Corpus",
     "CorpusSpec",
     "DataError",
+    "EncodedCorpus",
+    "Prefetcher",
+    "TokenBatcher",
     "Tokenizer",
+    "choose_bucket_shapes",
+    "encode_corpus",
+    "inference_batches",
     "load_corpus",
     "load_or_train_tokenizer",
     "normalize",
+    "prefetch",
     "read_lines",
     "read_parallel",
     "train_tokenizer",

@@ -193,12 +193,13 @@ def train_tokenizer(
         )
     except RuntimeError as e:
         message = " ".join(str(e).split())
-        if "Vocabulary size" in message:
-            raise DataError(
-                f"vocabulary size {vocab_size} is too large for this corpus ({message}); "
-                "choose a smaller --vocab-size"
-            ) from None
-        raise DataError(f"tokenizer training failed: {message}") from None
+        if "Vocabulary size too high" in message or "Vocabulary size is too high" in message:
+            advice = "too large for this corpus; choose a smaller --vocab-size"
+        elif "smaller than required_chars" in message:
+            advice = "too small for the characters of this corpus; choose a larger --vocab-size"
+        else:
+            raise DataError(f"tokenizer training failed: {message}") from None
+        raise DataError(f"vocabulary size {vocab_size} is {advice} ({message})") from None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

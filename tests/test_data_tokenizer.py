@@ -76,6 +76,8 @@ def test_bad_settings_and_files_are_one_line_errors(small_corpus, tmp_path):
     with pytest.raises(data.DataError, match="choose a smaller --vocab-size") as e:
         data.train_tokenizer(texts, tmp_path / "t.model", vocab_size=8000)
     assert "\n" not in str(e.value)
+    with pytest.raises(data.DataError, match="choose a larger --vocab-size"):
+        data.train_tokenizer(texts, tmp_path / "t.model", vocab_size=100)
     with pytest.raises(data.DataError, match="model type"):
         data.train_tokenizer(texts, tmp_path / "t.model", model_type="wordpiece")
     (tmp_path / "junk.model").write_bytes(b"not a model")

@@ -1,0 +1,289 @@
+"""Batching: token cache, bucket shapes, padding efficiency, resume, device independence."""
+
+import json
+
+import numpy as np
+import pytest
+
+import data
+
+
+@pytest.fixture(scope="module")
+def full_encoded(multi30k_tokenizer, multi30k_dir, tmp_path_factory):
+    """Full Multi30k en-de train, encoded with the default max_len."""
+    corpus = data.load_corpus(data.CorpusSpec(data_dir=str(multi30k_dir)), "train")
+    return data.encode_corpus(
+        multi30k_tokenizer, corpus, max_len=data.DEFAULT_MAX_LEN, cache_dir=None
+    )
+
+
+@pytest.fixture
+def small(multi30k_tokenizer, multi30k_slice):
+    """300 pairs of Multi30k en-de train, encoded."""
+    spec = data.CorpusSpec(dataset="files", data_dir=str(multi30k_slice(n=300, splits=("train",))))
+    corpus = data.load_corpus(spec, "train")
+    return data.encode_corpus(multi30k_tokenizer, corpus, max_len=64, cache_dir=None)
+
+
+def batcher(encoded, tok, **kw):
+    kw.setdefault("max_tokens", 1024)
+    kw.setdefault("num_devices", 1)
+    return data.TokenBatcher(encoded, pad_id=tok.pad_id, bos_id=tok.bos_id, **kw)
+
+
+def global_rows(batch, key):
+    """[D, b, L] -> [D * b, L]: the rows of all local devices, in device order."""
+    return batch[key].reshape(-1, batch[key].shape[-1])
+
+
+# --- encode_corpus and its cache ---
+
+
+def test_encode_appends_eos_and_counts_long_pairs(multi30k_tokenizer):
+    tok = multi30k_tokenizer
+    long = " ".join(["Ein Hund läuft."] * 40)
+    corpus = data.Corpus(
+        src=["Ein Mann.", long, "Zwei."], tgt=["A man.", "A dog.", long], summary=None
+    )
+    kept = data.encode_corpus(tok, corpus, max_len=32, cache_dir=None)
+    assert kept.num_too_long == 2 and len(kept) == 1 and "2 longer than 32" in str(kept)
+    assert kept.src[0].dtype == np.int32
+    assert kept.src[0].tolist() == tok.encode("Ein Mann.") + [tok.eos_id]
+    assert kept.tgt[0].tolist() == tok.encode("A man.") + [tok.eos_id]
+    whole = data.encode_corpus(tok, corpus, max_len=None, cache_dir=None)
+    assert whole.num_too_long == 0 and len(whole) == 3  # evaluation keeps everything
+
+
+def test_token_cache_is_reused_and_invalidated(multi30k_tokenizer, multi30k_slice, tmp_path):
+    tok = multi30k_tokenizer
+    spec = data.CorpusSpec(dataset="files", data_dir=str(multi30k_slice(n=100, splits=("train",))))
+    corpus = data.load_corpus(spec, "train")
+    cache = tmp_path / "cache"
+    first = data.encode_corpus(tok, corpus, max_len=64, cache_dir=cache)
+    assert len(list(cache.glob("encoded-*.npz"))) == 1
+
+    class NoEncoding:  # the cached ids must be read without tokenizing again
+        fingerprint, eos_id = tok.fingerprint, tok.eos_id
+
+        def encode_batch(self, texts):
+            raise AssertionError("tokenized again despite the cache")
+
+    again = data.encode_corpus(NoEncoding(), corpus, max_len=64, cache_dir=cache)
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(first.src + first.tgt, again.src + again.tgt, strict=True)
+    )
+    assert again.num_too_long == first.num_too_long
+
+    data.encode_corpus(tok, corpus, max_len=32, cache_dir=cache)  # max_len changed
+    edited = data.Corpus(src=corpus.src[:-1] + ["Ganz neu."], tgt=corpus.tgt, summary=None)
+    data.encode_corpus(tok, edited, max_len=64, cache_dir=cache)  # content changed
+    other_tok = data.train_tokenizer(corpus.src + corpus.tgt, tmp_path / "o.model", vocab_size=500)
+    data.encode_corpus(other_tok, corpus, max_len=64, cache_dir=cache)  # tokenizer changed
+    assert len(list(cache.glob("encoded-*.npz"))) == 4
+
+
+# --- shapes and padding on full Multi30k ---
+
+
+@pytest.mark.parametrize("max_tokens", [4096, 8192])
+def test_padding_efficiency_and_shapes_on_full_multi30k(
+    full_encoded, multi30k_tokenizer, max_tokens
+):
+    b = batcher(full_encoded, multi30k_tokenizer, max_tokens=max_tokens)
+    assert b.padding_efficiency() >= 0.90
+    assert b.num_shapes == len(b.shapes) <= data.batching.DEFAULT_MAX_SHAPES
+    for rows, S, T in b.shapes:
+        assert rows % 8 == 0 and rows * (S + T) <= max_tokens
+    longest = max(len(x) for x in full_encoded.src), max(len(y) for y in full_encoded.tgt)
+    assert (
+        max(S for _, S, _ in b.shapes) == longest[0] and max(T for *_, T in b.shapes) == longest[1]
+    )
+    # The efficiency figure is what the batches really hold: real tokens over padded positions.
+    real = padded = 0
+    for _ in range(b.batches_per_epoch):
+        batch = next(b)
+        real += sum(int((batch[k] != multi30k_tokenizer.pad_id).sum()) for k in ("src", "tgt_out"))
+        padded += batch["src"].size + batch["tgt_out"].size
+    assert abs(real / padded - b.padding_efficiency()) < 0.005
+
+
+def test_batches_hold_the_right_tokens(small, multi30k_tokenizer):
+    tok = multi30k_tokenizer
+    b = batcher(small, tok, max_tokens=512)
+    pairs = {(tuple(x), tuple(y)) for x, y in zip(small.src, small.tgt, strict=True)}
+    shapes = {(r, S, T) for r, S, T in b.shapes}
+    for _ in range(2 * b.batches_per_epoch):
+        batch = next(b)
+        assert {k: v.dtype for k, v in batch.items()} == dict.fromkeys(
+            ("src", "tgt_in", "tgt_out"), np.int32
+        )
+        src, tgt_in, tgt_out = (global_rows(batch, k) for k in ("src", "tgt_in", "tgt_out"))
+        assert (src.shape[0], src.shape[1], tgt_out.shape[1]) in shapes
+        assert tgt_in.shape == tgt_out.shape
+        for s_row, in_row, out_row in zip(src, tgt_in, tgt_out, strict=True):
+            x = s_row[s_row != tok.pad_id]
+            y = out_row[out_row != tok.pad_id]
+            assert (tuple(x), tuple(y)) in pairs  # a real pair, no padding rows
+            assert (s_row[: len(x)] == x).all() and (s_row[len(x) :] == tok.pad_id).all()
+            assert in_row[0] == tok.bos_id and (in_row[1 : len(y)] == y[:-1]).all()
+            assert (in_row[len(y) :] == tok.pad_id).all() and y[-1] == tok.eos_id
+
+
+def test_every_pair_once_per_epoch_up_to_carry_over(small, multi30k_tokenizer):
+    tok = multi30k_tokenizer
+    b = batcher(small, tok, max_tokens=512, seed=3)
+    index = {
+        (tuple(x), tuple(y)): i for i, (x, y) in enumerate(zip(small.src, small.tgt, strict=True))
+    }
+    counts = np.zeros(len(small), int)
+    epochs = 5
+    while b.epoch < epochs:
+        batch = next(b)
+        for s_row, out_row in zip(
+            global_rows(batch, "src"), global_rows(batch, "tgt_out"), strict=True
+        ):
+            counts[
+                index[tuple(s_row[s_row != tok.pad_id]), tuple(out_row[out_row != tok.pad_id])]
+            ] += 1
+    assert (
+        counts.min() >= epochs - 1 and counts.max() <= epochs
+    )  # carry-over: at most one epoch late
+    assert counts.sum() > (epochs - 1) * len(small)
+
+
+def test_shuffle_depends_on_seed_and_epoch(small, multi30k_tokenizer):
+    def first_rows(seed, n):
+        b = batcher(small, multi30k_tokenizer, max_tokens=512, seed=seed)
+        return [global_rows(next(b), "src").tobytes() for _ in range(n)]
+
+    n = batcher(small, multi30k_tokenizer, max_tokens=512).batches_per_epoch
+    assert first_rows(0, n) == first_rows(0, n)
+    assert first_rows(0, n) != first_rows(1, n)
+    b = batcher(small, multi30k_tokenizer, max_tokens=512, seed=0)
+    epoch0 = [global_rows(next(b), "src").tobytes() for _ in range(n)]
+    epoch1 = [global_rows(next(b), "src").tobytes() for _ in range(n)]
+    assert epoch0 != epoch1
+
+
+# --- resume ---
+
+
+def test_resume_gives_the_uninterrupted_batches(small, multi30k_tokenizer):
+    tok = multi30k_tokenizer
+    reference = batcher(small, tok, max_tokens=512, seed=7)
+    expected = [next(reference) for _ in range(3 * reference.batches_per_epoch)]
+    for k in (0, 5, reference.batches_per_epoch + 2):  # including across an epoch boundary
+        run = batcher(small, tok, max_tokens=512, seed=7)
+        for _ in range(k):
+            next(run)
+        state = json.loads(json.dumps(run.state()))
+        resumed = batcher(small, tok, max_tokens=512, seed=7)
+        resumed.restore(state)
+        assert resumed.position == k
+        for want in expected[k : k + 12]:
+            got = next(resumed)
+            assert all(np.array_equal(got[key], want[key]) for key in want)
+
+
+def test_restore_refuses_other_data_or_settings(small, multi30k_tokenizer):
+    tok = multi30k_tokenizer
+    state = batcher(small, tok, max_tokens=512).state()
+    fewer = data.EncodedCorpus(src=small.src[:-1], tgt=small.tgt[:-1])
+    for other in (batcher(fewer, tok, max_tokens=512), batcher(small, tok, max_tokens=1024)):
+        with pytest.raises(data.DataError, match="resume"):
+            other.restore(state)
+
+
+# --- devices and hosts ---
+
+
+def test_global_batch_is_independent_of_device_and_host_count(small, multi30k_tokenizer):
+    tok = multi30k_tokenizer
+    steps = 8
+
+    def global_batches(num_devices, process_count=1):
+        hosts = [
+            batcher(
+                small,
+                tok,
+                max_tokens=512,
+                num_devices=num_devices,
+                process_index=p,
+                process_count=process_count,
+            )
+            for p in range(process_count)
+        ]
+        out = []
+        for _ in range(steps):
+            per_host = [next(h) for h in hosts]
+            for batch in per_host:
+                assert all(v.shape[0] == num_devices for v in batch.values())
+            out.append(
+                {k: np.concatenate([global_rows(b, k) for b in per_host]) for k in per_host[0]}
+            )
+        return out
+
+    reference = global_batches(1)
+    for num_devices, process_count in ((2, 1), (4, 1), (2, 2), (1, 4)):
+        other = global_batches(num_devices, process_count)
+        for want, got in zip(reference, other, strict=True):
+            assert all(np.array_equal(want[k], got[k]) for k in want)
+
+
+# --- prefetch ---
+
+
+def test_prefetch_yields_the_same_batches_and_tracks_state(small, multi30k_tokenizer):
+    tok = multi30k_tokenizer
+    plain = batcher(small, tok, max_tokens=512)
+    with data.prefetch(batcher(small, tok, max_tokens=512), size=3) as fetched:
+        for _ in range(5):
+            want, got = next(plain), next(fetched)
+            assert all(np.array_equal(want[k], got[k]) for k in want)
+        assert fetched.state() == plain.state()  # the consumer's position, not the producer's
+
+
+def test_prefetch_reraises_errors_and_closes():
+    def broken():
+        yield 1
+        raise ValueError("bad batch")
+
+    it = data.prefetch(broken())
+    assert next(it) == 1
+    with pytest.raises(ValueError, match="bad batch"):
+        next(it)
+    assert list(data.prefetch(iter(range(4)))) == [0, 1, 2, 3]
+
+    def endless():
+        i = 0
+        while True:
+            yield i
+            i += 1
+
+    it = data.prefetch(endless(), size=2)
+    next(it)
+    it.close()
+    assert not it._thread.is_alive()
+
+
+# --- inference batches ---
+
+
+def test_inference_batches_keep_every_sentence_whole(full_encoded):
+    sentences = full_encoded.src[:400] + [np.arange(4, 4 + 300, dtype=np.int32)]  # one very long
+    seen = np.zeros(len(sentences), int)
+    lengths_seen = []
+    shapes = set()
+    for indices, src in data.inference_batches(sentences, max_tokens=1000, pad_id=0):
+        assert src.dtype == np.int32 and len(indices) == src.shape[0]
+        assert src.shape[0] * src.shape[1] <= 1000 or src.shape[0] == 1
+        shapes.add(src.shape[1])
+        for i, row in zip(indices, src, strict=True):
+            seen[i] += 1
+            n = len(sentences[i])
+            assert (row[:n] == sentences[i]).all() and (row[n:] == 0).all()
+            lengths_seen.append(n)
+    assert (seen == 1).all()
+    assert lengths_seen == sorted(lengths_seen, reverse=True)
+    assert shapes <= {*data.batching.INFERENCE_LENGTHS, 384} and 384 in shapes
