@@ -33,11 +33,13 @@ NORMALIZATION_VERSION = 1  # part of the token cache key: bump when normalize() 
 def normalize(text: str) -> str:
     """Normalizes one sentence for training and translation alike.
 
-    Steps, in order: the five XML entities (``&amp;`` ...) are unescaped,
-    Unicode NFKC is applied (folds no-break spaces, full-width forms,
-    ligatures), zero-width spaces, byte-order marks, soft hyphens and control
-    characters are removed, and every run of whitespace (tabs included)
-    becomes a single space, with none at either end.
+    Steps, in order: zero-width spaces, byte-order marks, soft hyphens and
+    control characters are removed; Unicode NFKC is applied (folds no-break
+    spaces, full-width forms, ligatures); the five XML entities (``&amp;``
+    ...) are unescaped, repeatedly, so double-escaped ``&amp;amp;`` also
+    becomes ``&``; every run of whitespace (tabs included) becomes a single
+    space, with none at either end. The order makes the function idempotent:
+    ``normalize(normalize(s)) == normalize(s)``.
 
     Args:
       text: a raw sentence.
@@ -45,11 +47,15 @@ def normalize(text: str) -> str:
     Returns:
       The normalized sentence (possibly empty).
     """
-    if "&" in text:
-        text = _XML_ENTITY_RE.sub(lambda m: _XML_ENTITIES[m.group(0)], text)
-    text = _INVISIBLE_RE.sub("", unicodedata.normalize("NFKC", text))
+    text = _INVISIBLE_RE.sub("", text)
     if not text.isprintable():  # fast path: most lines have no control characters
-        text = "".join(c if c.isspace() or unicodedata.category(c) != "Cc" else "" for c in text)
+        text = "".join(c for c in text if c.isspace() or unicodedata.category(c) != "Cc")
+    text = unicodedata.normalize("NFKC", text)
+    while "&" in text:
+        unescaped = _XML_ENTITY_RE.sub(lambda m: _XML_ENTITIES[m.group(0)], text)
+        if unescaped == text:
+            break
+        text = unescaped
     return " ".join(text.split())
 
 

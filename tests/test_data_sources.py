@@ -24,6 +24,16 @@ def test_normalize_folds_spaces_entities_and_invisibles():
     assert data.normalize("\uff21\uff22 \ufb01") == "AB fi"  # NFKC: full-width, ligature
     assert data.normalize("a\x00b\x1bc") == "abc"
     assert data.normalize(" \t \u00a0 ") == ""
+    assert data.normalize("Q&amp;amp;A") == "Q&A"  # double-escaped
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["&amp;amp;amp;", "\uff06amp;", "&am\u200bp;", "e\u200b\u0301", "a\x00\u0301", "&#38;amp;"],
+)
+def test_normalize_is_idempotent_on_tricky_input(text):
+    once = data.normalize(text)
+    assert data.normalize(once) == once
 
 
 def test_normalize_on_multi30k_dirt(multi30k_dir):
