@@ -1,0 +1,915 @@
+"""Training math and the data-parallel training loop (Optax, `jax.pmap`, Orbax checkpoints).
+
+The paper's recipe (section 5.3, 5.4) is the default: Adam with b1 0.9, b2 0.98,
+eps 1e-9; the learning rate d_model^-0.5 * min(step^-0.5, step * warmup^-1.5);
+label smoothing 0.1; dropout as the model config says.
+
+Data parallelism: parameters and optimizer state are replicated on every local
+device, each batch arrives as [devices, batch, len] and `pmap` gives each device
+its slice. Each device sums its token losses; `psum` of the loss sums and of
+the real-token counts makes the loss (and so the gradient) the mean over all
+real target tokens of the global batch, however it is split across devices.
+With dropout off, 1, 2 or 4 devices therefore train the same parameters up to
+float rounding (tests/test_pmap_equivalence.py). With dropout on they differ,
+because each device draws its own masks (its key is folded with its index).
+
+The loop is split into parts a test can call: `create_train_state`,
+`make_train_step`, `make_eval_step`, `evaluate_loss`, `evaluate_bleu`,
+`MetricsLog` and `Trainer` (`Trainer.restore_or_init`, `Trainer.run`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from transformer.checkpoints import METRICS_FILE, CheckpointError, Checkpoints
+from transformer.config import TransformerConfig
+from transformer.model import Transformer
+
+PyTree = Any
+Batch = dict[str, np.ndarray]
+
+# Name of the pmapped device axis.
+AXIS = "devices"
+
+
+class NonFiniteLossError(Exception):
+    """The training loss became NaN or infinite; str() is a one-line message."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """How to train (everything except the model and the data).
+
+    Attributes:
+      steps: optimizer updates to run in total; when None, `epochs` decides.
+      epochs: passes over the training data (used when `steps` is None).
+      warmup_steps: the paper's warmup (4000 for WMT).
+      learning_rate_scale: factor on the paper's learning rate.
+      label_smoothing: epsilon_ls; the target distribution puts 1 - eps on the
+        reference token and eps spread uniformly over the whole vocabulary.
+      grad_clip_norm: clip the global gradient norm to this; None disables.
+      adam_b1: Adam beta1.
+      adam_b2: Adam beta2.
+      adam_eps: Adam epsilon.
+      seed: parameter init, dropout and data shuffling.
+      log_every: steps between metric lines (metrics.jsonl, TensorBoard, bar).
+      eval_every: steps between validation losses; 0 disables.
+      bleu_every: steps between validation BLEU scores (greedy decoding); 0 disables.
+      bleu_max_tokens: tokens per decoding batch for the BLEU translation.
+      bleu_max_sentences: score only the first N validation sentences; None for all.
+      checkpoint_every: steps between checkpoints (one is also written at the
+        end, at every BLEU evaluation, and on SIGINT/SIGTERM).
+      keep_checkpoints: most recent checkpoints kept (plus the best by BLEU).
+    """
+
+    steps: int | None = None
+    epochs: int | None = None
+    warmup_steps: int = 4000
+    learning_rate_scale: float = 1.0
+    label_smoothing: float = 0.1
+    grad_clip_norm: float | None = None
+    adam_b1: float = 0.9
+    adam_b2: float = 0.98
+    adam_eps: float = 1e-9
+    seed: int = 0
+    log_every: int = 100
+    eval_every: int = 1000
+    bleu_every: int = 5000
+    bleu_max_tokens: int = 4096
+    bleu_max_sentences: int | None = None
+    checkpoint_every: int = 1000
+    keep_checkpoints: int = 3
+
+    def __post_init__(self):
+        if self.steps is None and self.epochs is None:
+            raise ValueError("give either steps or epochs")
+        for name in ("steps", "epochs"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be >= 1, got {self.warmup_steps}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        for name in ("log_every", "checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """Returns a copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serializable dict of every field."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        """Inverse of `to_dict`."""
+        return cls(**d)
+
+
+# ----------------------------------------------------------------------------- the recipe
+
+
+def learning_rate_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax.Schedule:
+    """The paper's learning rate (section 5.3), as an Optax schedule.
+
+    lrate = scale * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5): a
+    linear rise over `warmup_steps`, then decay with the inverse square root of
+    the step. `step` counts updates from 1; Optax passes the number of updates
+    already done (0 for the first), so the schedule evaluates the formula at
+    count + 1 and never divides by zero.
+
+    Args:
+      d_model: the model width.
+      warmup_steps: steps of linear warmup.
+      scale: a factor on the whole formula.
+
+    Returns:
+      A function from the update count (0-based) to the learning rate.
+    """
+
+    def schedule(count: jax.Array | int) -> jax.Array:
+        step = jnp.asarray(count, jnp.float32) + 1.0
+        return (
+            scale * d_model**-0.5 * jnp.minimum(lax.rsqrt(step), step * float(warmup_steps) ** -1.5)
+        )
+
+    return schedule
+
+
+def make_optimizer(config: TrainConfig, d_model: int) -> optax.GradientTransformation:
+    """Adam with the paper's schedule, after optional global-norm gradient clipping.
+
+    Args:
+      config: uses the Adam hyperparameters, the schedule and grad_clip_norm.
+      d_model: the model width (for the schedule).
+
+    Returns:
+      The Optax transformation.
+    """
+    schedule = learning_rate_schedule(d_model, config.warmup_steps, config.learning_rate_scale)
+    adam = optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
+    if config.grad_clip_norm is None:
+        return adam
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adam)
+
+
+def label_smoothed_cross_entropy(
+    logits_BTV: jax.Array, targets_BT: jax.Array, pad_id: int, smoothing: float
+) -> tuple[jax.Array, jax.Array]:
+    """Summed label-smoothed cross-entropy over the real (non-padding) target tokens.
+
+    The smoothed target distribution is q = (1 - smoothing) * onehot(y) +
+    smoothing * uniform(V): the reference token gets 1 - smoothing +
+    smoothing / V and every other token smoothing / V. Then
+
+      H(q, p) = logsumexp(z) - (1 - smoothing) * z_y - smoothing * mean(z),
+
+    computed from the logits z without a [batch, len, vocab] one-hot array.
+    With smoothing 0 it is the negative log-likelihood.
+
+    Args:
+      logits_BTV: float logits [batch, tgt_len, vocab].
+      targets_BT: int reference ids [batch, tgt_len]; `pad_id` marks padding.
+      pad_id: the padding id (from the tokenizer).
+      smoothing: epsilon_ls in [0, 1).
+
+    Returns:
+      (loss_sum, num_tokens): float32 scalar sum of the per-token losses over
+      real tokens, and the int32 number of real tokens.
+    """
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    log_normalizer_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    mean_logit_BT = jnp.mean(logits_BTV, axis=-1)
+    loss_BT = log_normalizer_BT - (1.0 - smoothing) * target_logit_BT - smoothing * mean_logit_BT
+    real_BT = targets_BT != pad_id
+    return jnp.sum(jnp.where(real_BT, loss_BT, 0.0)), jnp.sum(real_BT, dtype=jnp.int32)
+
+
+# ----------------------------------------------------------------------------- state and steps
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything that changes during training.
+
+    Attributes:
+      step: int32 scalar, optimizer updates done.
+      params: float32 parameter pytree.
+      opt_state: the optimizer state.
+      rng: uint32[2] base key; the dropout key of update `step` on device `d`
+        is fold_in(fold_in(rng, step), d), so a resumed run draws the same masks.
+    """
+
+    step: jax.Array
+    params: PyTree
+    opt_state: optax.OptState
+    rng: jax.Array
+
+
+def create_train_state(
+    model: Transformer, optimizer: optax.GradientTransformation, seed: int
+) -> TrainState:
+    """Initializes parameters and optimizer state on the host (unreplicated).
+
+    Args:
+      model: the Transformer.
+      optimizer: from `make_optimizer`.
+      seed: the run's seed; parameters and dropout get independent keys from it.
+
+    Returns:
+      The state at step 0, as host numpy arrays.
+    """
+    init_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
+    tokens_BL = jnp.ones((1, 2), jnp.int32)
+    params = _jitted_init(model)(init_key, tokens_BL, tokens_BL)["params"]
+    state = TrainState(
+        step=np.zeros((), np.int32),
+        params=params,
+        opt_state=optimizer.init(params),
+        rng=dropout_key,
+    )
+    return jax.device_get(state)
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_init(model: Transformer) -> Callable[..., PyTree]:
+    # Modules compare by config, so runs of one model in a process compile init once.
+    return jax.jit(model.init)
+
+
+def replicate(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
+    """Copies a host pytree onto every local device, with a leading device axis.
+
+    The arrays get the sharding that the pmapped steps return (a mesh over the
+    devices with axis `AXIS`), so the first step's output does not have a new
+    input signature that would compile the step a second time.
+
+    Args:
+      tree: host arrays.
+      devices: where to copy; default all local devices.
+
+    Returns:
+      The replicated pytree, each leaf [len(devices), *shape].
+    """
+    devices = list(devices or jax.local_devices())
+    sharding = NamedSharding(Mesh(np.array(devices), (AXIS,)), PartitionSpec(AXIS))
+    return jax.tree.map(
+        lambda x: jax.device_put(np.broadcast_to(x, (len(devices), *np.shape(x))), sharding),
+        tree,
+    )
+
+
+def unreplicate(tree: PyTree) -> PyTree:
+    """One device's copy of a replicated pytree, as host numpy.
+
+    Reads one addressable shard rather than indexing `x[0]`, which is slow for
+    arrays that `pmap` returns in recent JAX.
+    """
+
+    def first(x):
+        if isinstance(x, jax.Array) and x.ndim > 0:
+            shard = x.addressable_shards[0].data
+            return np.asarray(shard)[0] if shard.ndim == x.ndim else np.asarray(shard)
+        return np.asarray(x)
+
+    return jax.tree.map(first, tree)
+
+
+def make_train_step(
+    model: Transformer,
+    optimizer: optax.GradientTransformation,
+    *,
+    label_smoothing: float,
+    pad_id: int,
+    devices: Sequence[jax.Device] | None = None,
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+    """Builds the pmapped training step.
+
+    Args:
+      model: the Transformer (dropout from its config).
+      optimizer: from `make_optimizer`.
+      label_smoothing: epsilon_ls.
+      pad_id: the padding id.
+      devices: the devices to run on; default all local devices (all devices
+        of all hosts in a multi-host run).
+
+    Returns:
+      step(state, batch) -> (state, metrics). `state` is replicated (leading
+      device axis) and donated; batch is dict(src [D, b, S], tgt_in [D, b, T],
+      tgt_out [D, b, T]). metrics (replicated scalars): "loss" (smoothed, mean
+      per real target token of the global batch), "nll" (same, unsmoothed),
+      "num_tokens" (real target tokens in the global batch), "grad_norm".
+    """
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        num_tokens = lax.psum(jnp.sum(batch["tgt_out"] != pad_id, dtype=jnp.int32), AXIS)
+        denominator = jnp.maximum(num_tokens, 1).astype(jnp.float32)
+        dropout_key = jax.random.fold_in(
+            jax.random.fold_in(state.rng, state.step), lax.axis_index(AXIS)
+        )
+
+        def loss_fn(params):
+            logits_BTV = model.apply(
+                {"params": params},
+                batch["src"],
+                batch["tgt_in"],
+                train=True,
+                rngs={"dropout": dropout_key},
+            )
+            loss_sum, _ = label_smoothed_cross_entropy(
+                logits_BTV, batch["tgt_out"], pad_id, label_smoothing
+            )
+            nll_sum, _ = label_smoothed_cross_entropy(
+                lax.stop_gradient(logits_BTV), batch["tgt_out"], pad_id, 0.0
+            )
+            # This device's share of the global mean; psum of the gradients completes it.
+            return loss_sum / denominator, nll_sum / denominator
+
+        (loss, nll), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        grads = lax.psum(grads, AXIS)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        new_state = state.replace(
+            step=state.step + 1,
+            params=optax.apply_updates(state.params, updates),
+            opt_state=opt_state,
+        )
+        metrics = {
+            "loss": lax.psum(loss, AXIS),
+            "nll": lax.psum(nll, AXIS),
+            "num_tokens": num_tokens,
+            "grad_norm": optax.global_norm(grads),
+        }
+        return new_state, metrics
+
+    return jax.pmap(step, axis_name=AXIS, donate_argnums=(0,), devices=devices)
+
+
+def make_eval_step(
+    model: Transformer,
+    *,
+    label_smoothing: float,
+    pad_id: int,
+    devices: Sequence[jax.Device] | None = None,
+) -> Callable[[PyTree, Batch], dict[str, jax.Array]]:
+    """Builds the pmapped evaluation step (no dropout, no update).
+
+    Args:
+      model: the Transformer.
+      label_smoothing: epsilon_ls, so that the validation loss compares with
+        the training loss.
+      pad_id: the padding id.
+      devices: as in `make_train_step`.
+
+    Returns:
+      eval(params, batch) -> dict(loss_sum, nll_sum, num_tokens), summed over
+      the global batch and replicated; `params` replicated.
+    """
+
+    def evaluate(params: PyTree, batch: Batch) -> dict[str, jax.Array]:
+        logits_BTV = model.apply({"params": params}, batch["src"], batch["tgt_in"], train=False)
+        loss_sum, num_tokens = label_smoothed_cross_entropy(
+            logits_BTV, batch["tgt_out"], pad_id, label_smoothing
+        )
+        nll_sum, _ = label_smoothed_cross_entropy(logits_BTV, batch["tgt_out"], pad_id, 0.0)
+        sums = {"loss_sum": loss_sum, "nll_sum": nll_sum, "num_tokens": num_tokens}
+        return lax.psum(sums, AXIS)
+
+    return jax.pmap(evaluate, axis_name=AXIS, devices=devices)
+
+
+def evaluate_loss(
+    eval_step: Callable[[PyTree, Batch], dict[str, jax.Array]],
+    params_replicated: PyTree,
+    batches: Iterable[Batch],
+) -> dict[str, float]:
+    """Mean validation losses over every real target token of `batches`.
+
+    Args:
+      eval_step: from `make_eval_step`.
+      params_replicated: replicated parameters.
+      batches: one pass over the validation data, [D, b, L] batches.
+
+    Returns:
+      dict(val_loss (label-smoothed, as in training), val_nll, val_ppl = exp(val_nll)).
+    """
+    totals = {"loss_sum": 0.0, "nll_sum": 0.0, "num_tokens": 0}
+    pending = [eval_step(params_replicated, batch) for batch in batches]
+    for sums in pending:
+        for name, value in unreplicate(sums).items():
+            totals[name] += value.item()
+    n = max(totals["num_tokens"], 1)
+    nll = totals["nll_sum"] / n
+    return {
+        "val_loss": totals["loss_sum"] / n,
+        "val_nll": nll,
+        "val_ppl": math.exp(min(nll, 50.0)),
+    }
+
+
+def evaluate_bleu(
+    model: Transformer,
+    params: PyTree,
+    tokenizer: Any,
+    sources: Sequence[str],
+    references: Sequence[str],
+    *,
+    max_tokens: int = 4096,
+) -> float:
+    """Corpus sacreBLEU of greedy translations against the raw references.
+
+    Args:
+      model: the Transformer.
+      params: unreplicated parameters.
+      tokenizer: the run's `data.Tokenizer`.
+      sources: normalized source sentences (`data.normalize`).
+      references: the raw reference lines, aligned with `sources`.
+      max_tokens: tokens per decoding batch.
+
+    Returns:
+      The BLEU score (0-100).
+    """
+    import sacrebleu
+
+    from transformer.translate import translate
+
+    hypotheses = translate(
+        model, params, tokenizer, list(sources), greedy=True, max_tokens=max_tokens
+    )
+    return float(sacrebleu.corpus_bleu(hypotheses, [list(references)]).score)
+
+
+# ----------------------------------------------------------------------------- logging
+
+
+class MetricsLog:
+    """Appends metric records to workdir/metrics.jsonl and TensorBoard event files.
+
+    Args:
+      workdir: the run directory.
+      resume_step: on resume, records after this step (written after the last
+        checkpoint by the interrupted run, and about to be redone) are dropped.
+      enabled: False on every process but the first of a multi-host run.
+    """
+
+    def __init__(self, workdir: str | os.PathLike, *, resume_step: int = 0, enabled: bool = True):
+        self.path = Path(workdir) / METRICS_FILE
+        self.enabled = enabled
+        self._writer = None
+        if not enabled:
+            return
+        if self.path.exists():
+            kept = [
+                line
+                for line in self.path.read_text(encoding="utf-8").splitlines()
+                if line.strip() and _record_step(line) <= resume_step
+            ]
+            self.path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        from tensorboardX import SummaryWriter
+
+        self._writer = SummaryWriter(
+            str(workdir), purge_step=resume_step + 1 if resume_step else None
+        )
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        """Writes one record {"step": step, **values}."""
+        if not self.enabled:
+            return
+        record = {"step": int(step), **{k: float(v) for k, v in values.items()}}
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        for name, value in values.items():
+            self._writer.add_scalar(name, float(value), int(step))
+
+    def close(self) -> None:
+        """Flushes the TensorBoard writer."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _record_step(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return 0
+
+
+def read_metrics(workdir: str | os.PathLike) -> list[dict[str, float]]:
+    """The records of workdir/metrics.jsonl, in order."""
+    path = Path(workdir) / METRICS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+@dataclasses.dataclass
+class ValidationData:
+    """What validation needs.
+
+    Attributes:
+      batches: returns one pass over the validation pairs as [D, b, L] batches.
+      sources: normalized validation sources for BLEU (every line, uncleaned).
+      references: the raw reference lines, aligned with `sources`.
+      tokenizer: the run's tokenizer (for BLEU decoding).
+    """
+
+    batches: Callable[[], Iterable[Batch]]
+    sources: Sequence[str] = ()
+    references: Sequence[str] = ()
+    tokenizer: Any = None
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """How a `Trainer.run` ended.
+
+    Attributes:
+      step: updates done.
+      seconds: wall time of this run (not counting earlier, resumed runs).
+      interrupted: stopped early by `stop_event` (a checkpoint was saved).
+      best_bleu: best validation BLEU of the workdir so far, or None.
+      best_step: its step, or None.
+      last_loss: the last logged training loss.
+      checkpoint_dir: where the checkpoints are.
+    """
+
+    step: int
+    seconds: float
+    interrupted: bool
+    best_bleu: float | None
+    best_step: int | None
+    last_loss: float | None
+    checkpoint_dir: Path
+
+
+class Trainer:
+    """Runs training in a workdir: resumes from its latest checkpoint, logs, validates, saves.
+
+    Example:
+      trainer = Trainer(model_config, train_config, workdir, pad_id=tok.pad_id)
+      start = trainer.restore_or_init(batcher)        # 0, or the resumed step
+      result = trainer.run(batcher, total_steps, validation)
+
+    Args:
+      model_config: the model.
+      train_config: the recipe and schedules.
+      workdir: the run directory (checkpoints, metrics).
+      pad_id: the tokenizer's padding id.
+      log: prints one line (validation results, warnings); defaults to tqdm.write.
+      progress: show a tqdm progress bar.
+      is_main_process: writes metrics only when True (multi-host runs).
+    """
+
+    def __init__(
+        self,
+        model_config: TransformerConfig,
+        train_config: TrainConfig,
+        workdir: str | os.PathLike,
+        *,
+        pad_id: int,
+        log: Callable[[str], None] | None = None,
+        progress: bool = True,
+        is_main_process: bool = True,
+    ):
+        from tqdm.auto import tqdm
+
+        self.model_config = model_config
+        self.config = train_config
+        self.workdir = Path(workdir)
+        self.pad_id = pad_id
+        self.progress = progress and is_main_process
+        self.is_main_process = is_main_process
+        self._log = log or tqdm.write
+        self.model = Transformer(model_config)
+        self.schedule = learning_rate_schedule(
+            model_config.d_model, train_config.warmup_steps, train_config.learning_rate_scale
+        )
+        self.optimizer, self.train_step, self.eval_step = _training_functions(
+            model_config, _recipe(train_config), pad_id
+        )
+        self.checkpoints = Checkpoints(
+            self.workdir,
+            keep=train_config.keep_checkpoints,
+            log=lambda m: self._log(f"warning: {m}"),
+        )
+        self.state: TrainState | None = None  # replicated
+        self.step = 0
+        self.data_state: dict[str, Any] | None = None
+
+    # -- state
+
+    def restore_or_init(self, batcher: Any | None = None) -> int:
+        """Initializes the state, or restores the latest readable checkpoint of the workdir.
+
+        On restore the data iterator position is restored into `batcher` too.
+
+        Args:
+          batcher: the training `data.TokenBatcher` (its `.restore(state)`), or None.
+
+        Returns:
+          The step training continues from (0 for a fresh run).
+
+        Raises:
+          CheckpointError: the checkpoints belong to another model config, or all are damaged.
+        """
+        fresh = create_train_state(self.model, self.optimizer, self.config.seed)
+        restored = self.checkpoints.restore_latest(fresh.params, fresh.opt_state)
+        if restored is None:
+            host_state = fresh
+        else:
+            host_state = TrainState(
+                step=np.asarray(restored.step, np.int32),
+                params=restored.params,
+                opt_state=restored.opt_state,
+                rng=np.asarray(restored.meta["rng"], np.uint32),
+            )
+            self.data_state = restored.meta.get("data")
+            if batcher is not None and self.data_state is not None:
+                batcher.restore(self.data_state)
+        self.state = replicate(host_state)
+        self.step = int(host_state.step)
+        return self.step
+
+    def save(self, *, val_bleu: float | None = None) -> None:
+        """Checkpoints the current state (no-op if this step is already saved)."""
+        host = unreplicate(self.state)
+        meta = {"rng": [int(x) for x in np.asarray(host.rng).ravel()], "data": self.data_state}
+        self.checkpoints.save(self.step, host.params, host.opt_state, meta, val_bleu=val_bleu)
+
+    def params(self) -> PyTree:
+        """The current parameters, unreplicated host numpy."""
+        return unreplicate(self.state.params)
+
+    # -- validation
+
+    def validate(self, validation: ValidationData, *, bleu: bool) -> dict[str, float]:
+        """Validation loss (and BLEU if asked) of the current parameters."""
+        results = evaluate_loss(self.eval_step, self.state.params, validation.batches())
+        if bleu and validation.sources:
+            count = self.config.bleu_max_sentences or len(validation.sources)
+            results["val_bleu"] = evaluate_bleu(
+                self.model,
+                self.params(),
+                validation.tokenizer,
+                validation.sources[:count],
+                validation.references[:count],
+                max_tokens=self.config.bleu_max_tokens,
+            )
+        return results
+
+    # -- the loop
+
+    def run(
+        self,
+        batches: Iterator[tuple[Batch, dict[str, Any] | None]],
+        total_steps: int,
+        validation: ValidationData | None = None,
+        *,
+        stop_event: threading.Event | None = None,
+        check_loss: Callable[[int, float], None] | None = None,
+    ) -> TrainResult:
+        """Trains from the current step to `total_steps`.
+
+        Writes metrics every `log_every` steps, validates every `eval_every`
+        (loss) and `bleu_every` (BLEU) steps, checkpoints every
+        `checkpoint_every` steps, at each BLEU evaluation and at the end.
+        Every step's loss is checked (one step late, so the host never
+        stalls the device queue); a non-finite loss stops training before
+        anything is saved from the bad step on.
+
+        Args:
+          batches: yields (batch, data_state_after_it); `with_data_state`
+            makes one from a TokenBatcher.
+          total_steps: the step to stop at.
+          validation: validation data, or None to skip validation.
+          stop_event: when set (e.g. by a SIGTERM handler), the current step
+            finishes, a checkpoint is saved and `run` returns with
+            `interrupted=True`.
+          check_loss: called as check_loss(step, loss) with every step's
+            training loss; raises to stop. Default: `check_finite_loss`.
+
+        Returns:
+          A TrainResult.
+
+        Raises:
+          NonFiniteLossError: the loss became NaN or infinite.
+        """
+        from tqdm.auto import tqdm
+
+        check_loss = check_loss or check_finite_loss
+        cfg = self.config
+        start_time = time.time()
+        bar = tqdm(
+            total=total_steps,
+            initial=self.step,
+            disable=not self.progress,
+            dynamic_ncols=True,
+            unit="step",
+        )
+        window_tokens, window_start, last_loss = 0, time.time(), None
+        pending: tuple[int, dict[str, jax.Array]] | None = None
+        interrupted = False
+
+        def settle() -> dict[str, float] | None:
+            """Fetches and checks the metrics of the last dispatched step."""
+            nonlocal pending
+            if pending is None:
+                return None
+            step, metrics = pending
+            pending = None
+            values = {k: v.item() for k, v in unreplicate(metrics).items()}
+            check_loss(step, values["loss"])
+            return values
+
+        try:
+            while self.step < total_steps:
+                if stop_event is not None and stop_event.is_set():
+                    interrupted = True
+                    break
+                try:
+                    batch, data_state = next(batches)
+                except StopIteration:
+                    break
+                self.state, metrics = self.train_step(self.state, batch)
+                if pending is not None:
+                    # Check the step before this one while this one runs.
+                    window_tokens += int(settle()["num_tokens"])
+                pending = (self.step + 1, metrics)
+                self.step += 1
+                self.data_state = data_state
+                bar.update(1)
+
+                due_log = self.step % cfg.log_every == 0 or self.step == total_steps
+                due_eval = cfg.eval_every > 0 and self.step % cfg.eval_every == 0
+                due_bleu = cfg.bleu_every > 0 and self.step % cfg.bleu_every == 0
+                due_save = self.step % cfg.checkpoint_every == 0 or self.step == total_steps
+                if not (due_log or due_eval or due_bleu or due_save):
+                    continue
+                values = settle()
+                window_tokens += int(values["num_tokens"])
+                if due_log:
+                    elapsed = max(time.time() - window_start, 1e-9)
+                    record = {
+                        "loss": values["loss"],
+                        "nll": values["nll"],
+                        "lr": float(self.schedule(self.step - 1)),
+                        "grad_norm": values["grad_norm"],
+                        "tokens_per_s": window_tokens / elapsed,
+                    }
+                    last_loss = values["loss"]
+                    self._metrics.write(self.step, record)
+                    bar.set_postfix(
+                        loss=f"{record['loss']:.3f}",
+                        lr=f"{record['lr']:.2e}",
+                        tok_s=f"{record['tokens_per_s']:.0f}",
+                        refresh=False,
+                    )
+                    window_tokens, window_start = 0, time.time()
+                val_bleu = None
+                if validation is not None and (due_eval or due_bleu):
+                    results = self.validate(validation, bleu=due_bleu)
+                    val_bleu = results.get("val_bleu")
+                    self._metrics.write(self.step, results)
+                    self._log(f"step {self.step}: " + _format_results(results))
+                    window_start = time.time()  # validation time is not training throughput
+                if due_save or val_bleu is not None:
+                    self.save(val_bleu=val_bleu)
+            settle()
+            self.save()
+        finally:
+            bar.close()
+            # Finish background writes even when a non-finite loss escapes: the
+            # last good checkpoint must be complete on disk.
+            self.checkpoints.wait()
+        best_step = self.checkpoints.best_step()
+        best_bleu = None if best_step is None else self.checkpoints.metrics(best_step)["val_bleu"]
+        return TrainResult(
+            step=self.step,
+            seconds=time.time() - start_time,
+            interrupted=interrupted,
+            best_bleu=best_bleu,
+            best_step=best_step,
+            last_loss=last_loss,
+            checkpoint_dir=self.checkpoints.directory,
+        )
+
+    def open_metrics(self) -> None:
+        """Opens metrics.jsonl and TensorBoard, dropping records after the resumed step."""
+        self._metrics = MetricsLog(
+            self.workdir, resume_step=self.step, enabled=self.is_main_process
+        )
+
+    def close(self) -> None:
+        """Finishes checkpoint writes and closes the logs."""
+        if getattr(self, "_metrics", None) is not None:
+            self._metrics.close()
+        self.checkpoints.close()
+
+
+def _recipe(config: TrainConfig) -> TrainConfig:
+    """The fields that the compiled steps depend on (the rest set to defaults)."""
+    return TrainConfig(
+        steps=1,
+        warmup_steps=config.warmup_steps,
+        learning_rate_scale=config.learning_rate_scale,
+        label_smoothing=config.label_smoothing,
+        grad_clip_norm=config.grad_clip_norm,
+        adam_b1=config.adam_b1,
+        adam_b2=config.adam_b2,
+        adam_eps=config.adam_eps,
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _training_functions(model_config: TransformerConfig, recipe: TrainConfig, pad_id: int):
+    # Trainers of one model and recipe in a process (tests, resume) share compiled steps.
+    model = Transformer(model_config)
+    optimizer = make_optimizer(recipe, model_config.d_model)
+    train_step = make_train_step(
+        model, optimizer, label_smoothing=recipe.label_smoothing, pad_id=pad_id
+    )
+    eval_step = make_eval_step(model, label_smoothing=recipe.label_smoothing, pad_id=pad_id)
+    return optimizer, train_step, eval_step
+
+
+def check_finite_loss(step: int, loss: float) -> None:
+    """The default per-step loss check: raises NonFiniteLossError on NaN or infinity.
+
+    Args:
+      step: the update (1-based) whose loss this is.
+      loss: its training loss.
+    """
+    if not math.isfinite(loss):
+        raise NonFiniteLossError(
+            f"training loss is {loss} at step {step}; stopped without saving this step "
+            "(lower --lr-scale, raise --warmup-steps or set --clip-grad-norm, then resume "
+            "from the last checkpoint)"
+        )
+
+
+def with_data_state(batcher: Any) -> Iterator[tuple[Batch, dict[str, Any]]]:
+    """Yields (batch, batcher.state() right after it), so the position survives prefetching.
+
+    Args:
+      batcher: a `data.TokenBatcher` (iterable of batches with `.state()`).
+    """
+    for batch in batcher:
+        yield batch, batcher.state()
+
+
+def _format_results(results: dict[str, float]) -> str:
+    parts = [f"val_loss {results['val_loss']:.3f}", f"val_ppl {results['val_ppl']:.2f}"]
+    if "val_bleu" in results:
+        parts.append(f"val_bleu {results['val_bleu']:.2f}")
+    return ", ".join(parts)
+
+
+__all__ = [
+    "AXIS",
+    "CheckpointError",
+    "MetricsLog",
+    "NonFiniteLossError",
+    "TrainConfig",
+    "TrainResult",
+    "TrainState",
+    "Trainer",
+    "ValidationData",
+    "check_finite_loss",
+    "create_train_state",
+    "evaluate_bleu",
+    "evaluate_loss",
+    "label_smoothed_cross_entropy",
+    "learning_rate_schedule",
+    "make_eval_step",
+    "make_optimizer",
+    "make_train_step",
+    "read_metrics",
+    "replicate",
+    "unreplicate",
+    "with_data_state",
+]
