@@ -12,7 +12,9 @@ No batch ever holds padding rows: each bucket is an endless stream of
 epoch-wise shuffled examples, cut into full batches; the few examples of a
 bucket that do not fill its last batch of an epoch open its first batch of the
 next epoch. Every example is therefore seen once per epoch, give or take that
-carry-over, and epochs differ in length by at most the number of shapes.
+carry-over, and epochs differ in length by at most the number of shapes. (A
+bucket with fewer pairs than one batch has rows, as in a toy corpus, repeats
+pairs within a batch.)
 
 The batch at global position ``n`` is a pure function of ``(seed, n)``, so the
 iterator's state is one integer, and resuming gives exactly the batches an
@@ -168,8 +170,8 @@ def choose_bucket_shapes(
 
     Every pair is padded to the cheapest shape that covers it (``S >= s`` and
     ``T >= t``). Shapes are added greedily, each time the candidate that saves
-    the most padded positions, then each is revisited once or twice and
-    swapped for a better candidate if one exists. Deterministic.
+    the most padded positions; then, in up to four passes, each is swapped
+    for a better candidate if one exists. Deterministic.
 
     Args:
       src_lengths: [N] source lengths.
