@@ -7,16 +7,22 @@ SentencePiece tokenizer, length-sorted inference batches); the search is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 from flax import linen as nn
 from tqdm import tqdm
 
-from data import normalize
+from data import DataError, Tokenizer, normalize
 from data.batching import inference_batches
+from transformer import checkpoints
+from transformer.config import TransformerConfig
 from transformer.decoding import beam_search, greedy_search
+from transformer.model import Transformer
 
 
 def _padded_rows(n: int) -> int:
@@ -136,7 +142,21 @@ def translate(
         max_tokens=max_tokens,
         progress=progress,
     )
-    return [tokenizer.decode(ids) if ids else "" for ids in hypotheses]
+    return detokenize(tokenizer, hypotheses)
+
+
+def detokenize(tokenizer: Any, hypotheses: Sequence[Sequence[int]]) -> list[str]:
+    """Text of output ids, one line each: a line break the model spelled out becomes a space.
+
+    Args:
+      tokenizer: a `data.Tokenizer`.
+      hypotheses: per sentence, output ids (as from `translate_ids`).
+
+    Returns:
+      The detokenized sentences, none containing a line break.
+    """
+    texts = (tokenizer.decode(ids) if len(ids) else "" for ids in hypotheses)
+    return [" ".join(t.splitlines()) if "\n" in t or "\r" in t else t for t in texts]
 
 
 def encode_sources(tokenizer: Any, sentences: Sequence[str]) -> list[list[int]]:
@@ -155,3 +175,74 @@ def encode_sources(tokenizer: Any, sentences: Sequence[str]) -> list[list[int]]:
         ids + [tokenizer.eos_id] if text else []
         for text, ids in zip(normalized, encoded, strict=True)
     ]
+
+
+class Run(NamedTuple):
+    """A trained run, ready to translate.
+
+    Attributes:
+      model: `Transformer(config)` for the run's model config.
+      params: the parameters (one checkpoint, or an average).
+      tokenizer: the run's SentencePiece model (workdir/tokenizer.model).
+      config: the run's config.json as a dict ("model", "data", "train").
+      checkpoint: which parameters, in words (e.g. "step 3000 (best)").
+    """
+
+    model: Transformer
+    params: Any
+    tokenizer: Tokenizer
+    config: dict[str, Any]
+    checkpoint: str
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def load_run(
+    workdir: str | os.PathLike,
+    *,
+    checkpoint: str | int = "best",
+    average_last: int = 0,
+    log: Callable[[str], None] = _warn,
+) -> Run:
+    """Loads a workdir written by train.py: model config, tokenizer and parameters.
+
+    Args:
+      workdir: the run directory.
+      checkpoint: "best" (highest validation BLEU), "last", or a step.
+      average_last: if > 0, average the parameters of the last `average_last`
+        checkpoints instead (`checkpoint` is then ignored).
+      log: receives one-line warnings.
+
+    Returns:
+      The run.
+
+    Raises:
+      checkpoints.CheckpointError: missing workdir, config or checkpoint.
+      data.DataError: missing or mismatched tokenizer.
+    """
+    config = checkpoints.load_run_config(workdir)
+    model_config = TransformerConfig.from_dict(config["model"])
+    tokenizer = Tokenizer.load(Path(workdir) / checkpoints.TOKENIZER_FILE)
+    if tokenizer.vocab_size != model_config.vocab_size:
+        raise DataError(
+            f"{tokenizer.path} has {tokenizer.vocab_size} pieces but the model in {workdir} "
+            f"expects {model_config.vocab_size}; the workdir is inconsistent"
+        )
+    if average_last > 0:
+        steps = checkpoints.checkpoint_steps(workdir)
+        if len(steps) < average_last:
+            raise checkpoints.CheckpointError(
+                f"cannot average the last {average_last} checkpoints: {workdir} has "
+                f"{len(steps)} ({', '.join(map(str, steps)) or 'none'})"
+            )
+        chosen = steps[-average_last:]
+        params = checkpoints.average_params(
+            [checkpoints.restore_params(workdir, step, log=log)[0] for step in chosen]
+        )
+        description = f"average of steps {', '.join(map(str, chosen))}"
+    else:
+        params, step = checkpoints.restore_params(workdir, checkpoint, log=log)
+        description = f"step {step}" + (f" ({checkpoint})" if isinstance(checkpoint, str) else "")
+    return Run(Transformer(model_config), params, tokenizer, config, description)
