@@ -1,0 +1,255 @@
+"""Translate with a trained run and score it with sacreBLEU; or translate stdin; or draw attention.
+
+Score a split of the run's corpus (data directory and language pair come
+from workdir/config.json), or any pair of files::
+
+    python evaluate.py --workdir runs/base --split test2016 --output test2016.hyp
+    python evaluate.py --workdir runs/base --src-file my.en --ref-file my.de
+
+BLEU and chrF are computed by sacreBLEU on detokenized, cased output against
+the raw reference file, and printed with their sacreBLEU signatures.
+
+Translate standard input (or --input FILE), one line out for each line in::
+
+    echo "A man rides a bike." | python evaluate.py --workdir runs/base --translate
+
+Cross-attention heatmaps of the first N sentences (one PNG per decoder layer)::
+
+    python evaluate.py --workdir runs/base --split val --plot-attention 3 --plot-dir plots
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from sacrebleu.metrics import BLEU, CHRF
+
+from data import CorpusSpec, DataError, load_corpus, read_lines
+from transformer.checkpoints import CheckpointError
+from transformer.translate import Run, detokenize, encode_sources, load_run, translate_ids
+
+
+class UsageError(Exception):
+    """A bad combination of flags; str() is a one-line message."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Translate with a trained run; score with sacreBLEU; plot attention.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--workdir", required=True, help="run directory written by train.py")
+    what = p.add_argument_group("what to translate (one of)")
+    what.add_argument("--split", help="a split of the run's corpus, e.g. val or test2016")
+    what.add_argument("--src-file", help="source sentences, one per line")
+    what.add_argument("--ref-file", help="reference translations of --src-file, one per line")
+    what.add_argument(
+        "--translate", action="store_true", help="translate stdin (or --input) to stdout"
+    )
+    what.add_argument("--input", help="with --translate: read this file instead of stdin")
+    p.add_argument("--output", help="write the translations here, one per input line")
+    model = p.add_argument_group("parameters")
+    model.add_argument(
+        "--checkpoint", default="best", help="'best' (validation BLEU), 'last' or a step number"
+    )
+    model.add_argument(
+        "--average-last",
+        type=int,
+        default=0,
+        metavar="K",
+        help="average the parameters of the last K checkpoints (overrides --checkpoint)",
+    )
+    search = p.add_argument_group("search")
+    search.add_argument("--beam", type=int, default=4, help="beam size")
+    search.add_argument("--alpha", type=float, default=0.6, help="length penalty strength")
+    search.add_argument("--greedy", action="store_true", help="greedy search instead of beam")
+    search.add_argument(
+        "--max-extra-len",
+        type=int,
+        default=50,
+        help="outputs have at most (source length + this) tokens",
+    )
+    search.add_argument(
+        "--max-tokens", type=int, default=4096, help="padded source tokens per decoding batch"
+    )
+    plots = p.add_argument_group("attention pictures")
+    plots.add_argument(
+        "--plot-attention", type=int, default=0, metavar="N", help="plot the first N sentences"
+    )
+    plots.add_argument("--plot-dir", default="attention_plots", help="where to write the PNGs")
+    plots.add_argument("--plot-heads", action="store_true", help="also a per-head grid per layer")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    modes = [bool(args.split), bool(args.src_file), args.translate]
+    if sum(modes) != 1:
+        raise UsageError("choose exactly one of --split, --src-file or --translate")
+    if args.ref_file and not args.src_file:
+        raise UsageError("--ref-file needs --src-file")
+    if args.input and not args.translate:
+        raise UsageError("--input goes with --translate (use --src-file to score a file)")
+    for name in ("beam", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_extra_len < 0 or args.average_last < 0 or args.plot_attention < 0:
+        raise UsageError("--max-extra-len, --average-last and --plot-attention cannot be negative")
+    if args.checkpoint not in ("best", "last") and not args.checkpoint.isdigit():
+        raise UsageError(
+            f"--checkpoint must be 'best', 'last' or a step number, not {args.checkpoint!r}"
+        )
+
+
+def _read_stdin() -> list[str]:
+    raw = sys.stdin.buffer.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"standard input, line {line}: invalid UTF-8 ({e.reason})") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def load_sources_and_references(
+    args: argparse.Namespace, run: Run
+) -> tuple[list[str], list[str] | None, str]:
+    """The sentences to translate, the raw references (None if there are none), and a name."""
+    if args.translate:
+        if args.input:
+            return read_lines(args.input), None, args.input
+        return _read_stdin(), None, "stdin"
+    if args.src_file:
+        sources = read_lines(args.src_file)
+        if not args.ref_file:
+            return sources, None, args.src_file
+        references = read_lines(args.ref_file)
+        if len(references) != len(sources):
+            raise DataError(
+                f"{args.ref_file} has {len(references)} lines but {args.src_file} has "
+                f"{len(sources)}; line i of the reference must translate line i of the source"
+            )
+        return sources, references, args.src_file
+    d = run.config.get("data", {})
+    spec = CorpusSpec(
+        dataset=d.get("dataset", "multi30k"),
+        data_dir=d.get("data_dir"),
+        tfds_name=d.get("tfds_name"),
+        tfds_data_dir=d.get("tfds_data_dir"),
+        src=d.get("src", "en"),
+        tgt=d.get("tgt", "de"),
+    )
+    corpus = load_corpus(spec, args.split, clean=False)
+    # Score against the raw reference file, not the normalized text (TFDS has no file).
+    references = read_lines(corpus.tgt_path) if corpus.tgt_path else list(corpus.tgt)
+    return list(corpus.src), references, f"{args.split} {spec.src}-{spec.tgt}"
+
+
+def score(hypotheses: list[str], references: list[str]) -> list[str]:
+    """sacreBLEU BLEU and chrF of detokenized hypotheses against one reference each.
+
+    Args:
+      hypotheses: one translation per line.
+      references: the raw reference lines, same count.
+
+    Returns:
+      Lines in sacreBLEU's own format, signature included, e.g.
+      "BLEU|nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0 = 35.21 ...".
+    """
+    lines = []
+    for metric in (BLEU(), CHRF()):
+        result = metric.corpus_score(hypotheses, [references])
+        lines.append(result.format(width=2, signature=str(metric.get_signature())))
+    return lines
+
+
+def plot_attention(
+    run: Run, src_ids: list[list[int]], hyp_ids: list[list[int]], args: argparse.Namespace
+) -> list[str]:
+    """Cross-attention PNGs of the first N non-empty sentences; returns the paths."""
+    from transformer import visualize  # matplotlib only when asked for
+
+    tok = run.tokenizer
+    paths = []
+    chosen = [i for i, ids in enumerate(src_ids) if ids][: args.plot_attention]
+    for i in chosen:
+        tgt_out = list(hyp_ids[i]) + [tok.eos_id]
+        layers = visualize.cross_attention_weights(
+            run.model,
+            run.params,
+            np.asarray([src_ids[i]]),
+            np.asarray([tgt_out]),
+            bos_id=tok.bos_id,
+        )
+        paths += visualize.plot_sentence_attention(
+            [w[0] for w in layers],
+            [tok.id_to_piece(t) for t in src_ids[i]],
+            [tok.id_to_piece(t) for t in tgt_out],
+            args.plot_dir,
+            name=f"sentence_{i + 1:04d}",
+            heads=args.plot_heads,
+        )
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        _check_args(args)
+        which = int(args.checkpoint) if args.checkpoint.isdigit() else args.checkpoint
+        run = load_run(args.workdir, checkpoint=which, average_last=args.average_last)
+        sources, references, name = load_sources_and_references(args, run)
+        log = print if not args.translate else lambda *a: print(*a, file=sys.stderr)
+        search = "greedy" if args.greedy else f"beam {args.beam}, alpha {args.alpha}"
+        print(
+            f"{args.workdir}: {run.checkpoint}; {name}: {len(sources)} sentences; {search}",
+            file=sys.stderr,
+        )
+        tok = run.tokenizer
+        start = time.perf_counter()
+        src_ids = encode_sources(tok, sources)
+        hyp_ids = translate_ids(
+            run.model,
+            run.params,
+            src_ids,
+            bos_id=tok.bos_id,
+            eos_id=tok.eos_id,
+            pad_id=tok.pad_id,
+            greedy=args.greedy,
+            beam_size=args.beam,
+            alpha=args.alpha,
+            max_extra_len=args.max_extra_len,
+            max_tokens=args.max_tokens,
+            progress=not args.no_progress,
+        )
+        hypotheses = detokenize(tok, hyp_ids)
+        print(f"decoded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        if args.output:
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
+        if args.translate:
+            sys.stdout.write("".join(h + "\n" for h in hypotheses))
+        if references is not None:
+            for line in score(hypotheses, references):
+                log(line)
+        if args.plot_attention:
+            paths = plot_attention(run, src_ids, hyp_ids, args)
+            print(f"wrote {len(paths)} attention plots to {args.plot_dir}", file=sys.stderr)
+    except (UsageError, DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

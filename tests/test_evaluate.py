@@ -1,0 +1,196 @@
+"""evaluate.py end to end on a tiny workdir: sacreBLEU agreement, --translate, plots, errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from matplotlib import image as mpimg
+
+import data
+import evaluate
+from transformer import Transformer, TransformerConfig, checkpoints
+
+N_TEST = 16
+FAST = ["--beam", "2", "--max-extra-len", "4", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def workdir(multi30k_dir, tmp_path_factory) -> Path:
+    """A workdir as train.py writes it: config.json, tokenizer.model, three checkpoints.
+
+    The model is random (scaled up so outputs depend on the source); the data
+    directory holds the first lines of Multi30k's val and test2016 splits.
+    """
+    root = tmp_path_factory.mktemp("eval")
+    data_dir = root / "data"
+    data_dir.mkdir()
+    for split, n in (("val", 300), ("test2016", N_TEST)):
+        for lang in ("en", "de"):
+            lines = (multi30k_dir / f"{split}.{lang}").read_bytes().split(b"\n")[:n]
+            (data_dir / f"{split}.{lang}").write_bytes(b"\n".join(lines) + b"\n")
+    run = root / "run"
+    corpus = data.load_corpus(data.CorpusSpec(dataset="files", data_dir=str(data_dir)), "val")
+    tokenizer = data.train_tokenizer(
+        corpus.src + corpus.tgt, run / checkpoints.TOKENIZER_FILE, vocab_size=400
+    )
+    config = TransformerConfig.preset("tiny", vocab_size=tokenizer.vocab_size)
+    checkpoints.save_run_config(
+        run,
+        {
+            "model": config.to_dict(),
+            "data": {
+                "dataset": "files",
+                "data_dir": str(data_dir),
+                "tfds_name": None,
+                "tfds_data_dir": None,
+                "src": "en",
+                "tgt": "de",
+                "vocab_size": tokenizer.vocab_size,
+            },
+            "train": {},
+        },
+    )
+    model = Transformer(config)
+    dummy = jnp.ones((1, 4), jnp.int32)
+    with checkpoints.Checkpoints(run, async_save=False) as ckpts:
+        for step in (1, 2, 3):
+            params = model.init(jax.random.key(step), dummy, dummy)["params"]
+            params = jax.tree.map(lambda x: np.asarray(3.0 * x), params)
+            ckpts.save(step, params, {"count": np.zeros(())}, {}, val_bleu=float(step == 2))
+    return run
+
+
+def _run(argv, capsys) -> tuple[int, str, str]:
+    code = evaluate.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _score_line(out: str, name: str) -> str:
+    line = next(line for line in out.splitlines() if line.startswith(name + "|"))
+    return line.split(" = ")[1].split()[0]
+
+
+def test_printed_scores_equal_the_sacrebleu_command(workdir, tmp_path, capsys):
+    hyp = tmp_path / "test2016.hyp"
+    code, out, err = _run(
+        ["--workdir", workdir, "--split", "test2016", "--output", hyp, *FAST], capsys
+    )
+    assert code == 0, err
+    assert "step 2 (best)" in err  # the checkpoint with the highest val_bleu
+    hypotheses = hyp.read_text(encoding="utf-8").split("\n")[:-1]
+    assert len(hypotheses) == N_TEST and len(set(hypotheses)) > 1
+    assert "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:" in out
+    ref = Path(json.loads((workdir / "config.json").read_text())["data"]["data_dir"])
+    cli = subprocess.run(
+        [Path(sys.executable).parent / "sacrebleu", ref / "test2016.de", "-i", hyp]
+        + ["-m", "bleu", "chrf", "-w", "2"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    expected = {m["name"]: f"{m['score']:.2f}" for m in json.loads(cli.stdout)}
+    assert _score_line(out, "BLEU") == expected["BLEU"]
+    assert _score_line(out, "chrF2") == expected["chrF2"]
+    assert float(expected["chrF2"]) > 0
+
+
+def test_identical_hypotheses_score_100(multi30k_dir):
+    references = data.read_lines(multi30k_dir / "test2016.de")[:50]
+    lines = evaluate.score(references, references)
+    assert [line.split(" = ")[1].split()[0] for line in lines] == ["100.00", "100.00"]
+
+
+def test_translate_keeps_one_line_per_line(workdir, tmp_path, capsys, monkeypatch):
+    lines = ["A man rides a bike.", "", "Two dogs play in the snow.", "   ", ""]
+    source = tmp_path / "in.en"
+    source.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    args = ["--workdir", workdir, "--translate", "--checkpoint", "last", *FAST]
+    code, out, err = _run([*args, "--input", source], capsys)
+    assert code == 0, err
+    assert "step 3 (last)" in err
+    translations = out.split("\n")
+    assert translations[-1] == "" and len(translations) - 1 == len(lines)
+    assert [t == "" for t in translations[:-1]] == [False, True, False, True, True]
+
+    class Stdin:  # stdin as bytes, like a pipe
+        buffer = __import__("io").BytesIO(source.read_bytes())
+
+    monkeypatch.setattr(sys, "stdin", Stdin)
+    code, stdin_out, _ = _run(args, capsys)
+    assert code == 0 and stdin_out == out
+
+
+def test_average_last_and_src_file(workdir, tmp_path, capsys):
+    src = tmp_path / "src.en"
+    src.write_text("A man rides a bike.\nA woman sings.\n", encoding="utf-8")
+    code, out, err = _run(
+        ["--workdir", workdir, "--src-file", src, "--average-last", "2", "--greedy", *FAST[2:]],
+        capsys,
+    )
+    assert code == 0, err
+    assert "average of steps 2, 3" in err
+    assert "BLEU" not in out  # nothing to score without --ref-file
+
+
+def test_attention_plots_are_png_files(workdir, tmp_path, capsys):
+    plot_dir = tmp_path / "plots"
+    argv = ["--workdir", workdir, "--split", "test2016", *FAST]
+    code, _, err = _run(
+        [*argv, "--plot-attention", "2", "--plot-dir", plot_dir, "--plot-heads"], capsys
+    )
+    assert code == 0, err
+    layers = TransformerConfig.preset("tiny", vocab_size=8).num_decoder_layers
+    files = sorted(plot_dir.glob("*.png"))
+    assert [f.name for f in files] == sorted(
+        f"sentence_{i:04d}_layer{layer}{kind}.png"
+        for i in (1, 2)
+        for layer in range(1, layers + 1)
+        for kind in ("", "_heads")
+    )
+    for f in files:
+        assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        pixels = mpimg.imread(f)
+        assert pixels.ndim == 3 and min(pixels.shape[:2]) > 200
+        assert pixels.std() > 0.05  # not a blank canvas
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--workdir", "{missing}", "--split", "test2016"], "does not exist"),
+        (["--workdir", "{workdir}", "--split", "test2099"], "available splits: test2016, val"),
+        (
+            ["--workdir", "{workdir}", "--split", "val", "--checkpoint", "7"],
+            "no checkpoint at step 7",
+        ),
+        (["--workdir", "{workdir}", "--src-file", "{src}", "--ref-file", "{ref}"], "has 3 lines"),
+        (["--workdir", "{workdir}", "--split", "val", "--translate"], "exactly one of"),
+        (["--workdir", "{workdir}", "--split", "val", "--average-last", "4"], "has 3 (1, 2, 3)"),
+    ],
+    ids=["missing-workdir", "unknown-split", "missing-step", "line-mismatch", "two-modes", "avg"],
+)
+def test_user_errors_are_one_line_and_exit_2(argv, message, workdir, tmp_path, capsys):
+    src, ref = tmp_path / "src.en", tmp_path / "ref.de"
+    src.write_text("a\nb\n", encoding="utf-8")
+    ref.write_text("a\nb\nc\n", encoding="utf-8")
+    paths = dict(missing=tmp_path / "nope", workdir=workdir, src=src, ref=ref)
+    code, out, err = _run([a.format(**paths) for a in argv], capsys)
+    assert code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_cli_error_has_no_traceback(tmp_path, repo_root):
+    result = subprocess.run(
+        [sys.executable, "evaluate.py", "--workdir", str(tmp_path / "nope"), "--split", "val"],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: workdir") and "Traceback" not in result.stderr

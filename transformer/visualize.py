@@ -1,0 +1,191 @@
+"""Encoder-decoder attention pictures: which source tokens each output token looked at.
+
+The weights come from a teacher-forced pass over a (decoded) target: every
+`MultiHeadAttention` sows its weights [batch, heads, queries, keys] into the
+"intermediates" collection, and the decoder's cross-attention query at
+position t is the one that produced output token t.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+from flax import linen as nn
+
+matplotlib.use("Agg")  # files only; never needs a display
+
+from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
+
+_CMAP = "viridis"
+
+
+def cross_attention_weights(
+    model: nn.Module, params: Any, src_BS: jax.Array, tgt_out_BT: jax.Array, *, bos_id: int
+) -> list[np.ndarray]:
+    """Cross-attention weights of every decoder layer for given outputs.
+
+    Args:
+      model: the encoder-decoder module (its decoder layers are
+        `decoder/layer_{i}/cross_attention`).
+      params: its parameters.
+      src_BS: int source ids [batch, src_len], padding on the right.
+      tgt_out_BT: int output ids [batch, tgt_len] (a hypothesis followed by
+        the end token, then padding).
+      bos_id: start token, fed before the first output.
+
+    Returns:
+      One float32 array [batch, heads, tgt_len, src_len] per decoder layer:
+      row t is the attention of the query that predicted output token t.
+    """
+    tgt_out_BT = jnp.asarray(tgt_out_BT, jnp.int32)
+    tgt_in_BT = jnp.concatenate(
+        [jnp.full((tgt_out_BT.shape[0], 1), bos_id, jnp.int32), tgt_out_BT[:, :-1]], axis=1
+    )
+    _, state = model.apply(
+        {"params": params}, jnp.asarray(src_BS, jnp.int32), tgt_in_BT, mutable=["intermediates"]
+    )
+    decoder = state["intermediates"]["decoder"]
+    layers = sorted((k for k in decoder if k.startswith("layer_")), key=lambda k: int(k[6:]))
+    return [np.asarray(decoder[k]["cross_attention"]["attention_weights"][0]) for k in layers]
+
+
+def _draw(
+    ax,
+    weights_TS: np.ndarray,
+    src_tokens: Sequence[str],
+    tgt_tokens: Sequence[str],
+    *,
+    vmax: float,
+    xlabel: bool = True,
+    ylabel: bool = True,
+):
+    # Token strings are SentencePiece pieces as they are: U+2581 marks a word start.
+    image = ax.imshow(weights_TS, cmap=_CMAP, vmin=0.0, vmax=vmax, aspect="auto")
+    ax.set_xticks(range(len(src_tokens)), list(src_tokens), rotation=90)
+    ax.set_yticks(range(len(tgt_tokens)), list(tgt_tokens))
+    ax.tick_params(axis="both", labelsize=8, length=0)
+    if xlabel:
+        ax.set_xlabel("source tokens")
+    if ylabel:
+        ax.set_ylabel("output tokens")
+    return image
+
+
+def _size(n_src: int, n_tgt: int) -> tuple[float, float]:
+    """Figure size in inches giving every token row and column about a quarter inch."""
+    return max(5.0, 0.26 * n_src + 2.5), max(3.0, 0.26 * n_tgt + 2.0)
+
+
+def plot_attention(
+    weights_TS: np.ndarray,
+    src_tokens: Sequence[str],
+    tgt_tokens: Sequence[str],
+    path: str | os.PathLike,
+    *,
+    title: str,
+) -> None:
+    """Writes one attention heatmap as a PNG: output tokens as rows, source tokens as columns.
+
+    Args:
+      weights_TS: attention weights [tgt_len, src_len] (e.g. averaged over heads).
+      src_tokens: the src_len source token strings (column labels).
+      tgt_tokens: the tgt_len output token strings (row labels).
+      path: the PNG file to write.
+      title: figure title (e.g. which sentence and layer).
+    """
+    fig, ax = plt.subplots(figsize=_size(len(src_tokens), len(tgt_tokens)), layout="constrained")
+    # The colour scale ends at the largest weight: averaged heads rarely come near 1.
+    image = _draw(ax, weights_TS, src_tokens, tgt_tokens, vmax=float(weights_TS.max()) or 1.0)
+    fig.colorbar(image, ax=ax, shrink=0.8, label="attention weight")
+    ax.set_title(title, fontsize=10)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_attention_heads(
+    weights_HTS: np.ndarray,
+    src_tokens: Sequence[str],
+    tgt_tokens: Sequence[str],
+    path: str | os.PathLike,
+    *,
+    title: str,
+) -> None:
+    """Writes a grid of per-head attention heatmaps with one shared colour scale as a PNG.
+
+    Args:
+      weights_HTS: attention weights [heads, tgt_len, src_len].
+      src_tokens: the src_len source token strings (column labels).
+      tgt_tokens: the tgt_len output token strings (row labels).
+      path: the PNG file to write.
+      title: figure title; each panel is titled with its head.
+    """
+    heads = weights_HTS.shape[0]
+    cols = math.ceil(math.sqrt(heads))
+    rows = math.ceil(heads / cols)
+    width, height = _size(len(src_tokens), len(tgt_tokens))
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(width * cols, height * rows), squeeze=False, layout="constrained"
+    )
+    for h, ax in enumerate(axes.flat):
+        if h >= heads:
+            ax.axis("off")
+            continue
+        image = _draw(
+            ax,
+            weights_HTS[h],
+            src_tokens,
+            tgt_tokens,
+            vmax=float(weights_HTS.max()) or 1.0,
+            xlabel=h + cols >= heads,
+            ylabel=h % cols == 0,
+        )
+        ax.set_title(f"head {h + 1}", fontsize=10)
+    fig.suptitle(title, fontsize=12)
+    fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_sentence_attention(
+    layer_weights: Sequence[np.ndarray],
+    src_tokens: Sequence[str],
+    tgt_tokens: Sequence[str],
+    out_dir: str | os.PathLike,
+    *,
+    name: str,
+    heads: bool = False,
+) -> list[str]:
+    """Writes the cross-attention pictures of one sentence, one PNG per decoder layer.
+
+    Args:
+      layer_weights: per layer, weights [heads, tgt_len, src_len] for this
+        sentence (padding already cut off).
+      src_tokens: source token strings (src_len).
+      tgt_tokens: output token strings (tgt_len).
+      out_dir: directory to write into (created if missing).
+      name: file name stem and title prefix, e.g. "sentence_001".
+      heads: also write a per-head grid per layer.
+
+    Returns:
+      The paths written.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for layer, weights_HTS in enumerate(layer_weights, start=1):
+        path = os.path.join(out_dir, f"{name}_layer{layer}.png")
+        title = f"{name}: decoder layer {layer} cross-attention (mean of {len(weights_HTS)} heads)"
+        plot_attention(weights_HTS.mean(axis=0), src_tokens, tgt_tokens, path, title=title)
+        paths.append(path)
+        if heads:
+            path = os.path.join(out_dir, f"{name}_layer{layer}_heads.png")
+            title = f"{name}: decoder layer {layer} cross-attention per head"
+            plot_attention_heads(weights_HTS, src_tokens, tgt_tokens, path, title=title)
+            paths.append(path)
+    return paths
