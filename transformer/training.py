@@ -359,7 +359,7 @@ def make_train_step(
             "loss": lax.psum(loss, AXIS),
             "nll": lax.psum(nll, AXIS),
             "num_tokens": num_tokens,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
         }
         return new_state, metrics
 

@@ -1,0 +1,219 @@
+"""train.py end to end on a real Multi30k slice: workdir contents, exact resume, damaged
+checkpoints, config mismatch, non-finite loss, SIGTERM, --help and bad flags.
+
+Most runs call `train.main` in this process so that they share one compiled
+train step (same tiny model, same recipe, one batch shape); the SIGTERM,
+--help and bad-flag tests run train.py as a subprocess.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import train
+from transformer import training
+from transformer.checkpoints import checkpoint_steps, load_run_config, restore_params
+from transformer.training import NonFiniteLossError, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def slice_dir(multi30k_dir, tmp_path_factory):
+    """The first 300 train and 24 val lines of Multi30k en-de, raw."""
+    out = tmp_path_factory.mktemp("multi30k_slice")
+    for split, n in (("train", 300), ("val", 24)):
+        for lang in ("en", "de"):
+            lines = (multi30k_dir / f"{split}.{lang}").read_bytes().split(b"\n")[:n]
+            (out / f"{split}.{lang}").write_bytes(b"\n".join(lines) + b"\n")
+    return out
+
+
+def _flags(slice_dir, workdir, *extra):
+    return [
+        "--workdir", str(workdir),
+        "--dataset", "files", "--data-dir", str(slice_dir),
+        "--preset", "tiny", "--vocab-size", "400", "--max-len", "64",
+        "--max-tokens", "1024", "--max-shapes", "1",
+        "--warmup-steps", "10", "--lr-scale", "0.5",
+        "--log-every", "4", "--checkpoint-every", "4", "--keep-checkpoints", "3",
+        "--eval-every", "0", "--bleu-every", "0", "--no-progress",
+        *extra,
+    ]  # fmt: skip
+
+
+def _params_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def straight_run(slice_dir, tmp_path_factory):
+    """16 steps without stopping, with validation loss at 8 and 16 and BLEU at 16."""
+    workdir = tmp_path_factory.mktemp("straight")
+    extra = ["--steps", "16", "--eval-every", "8", "--bleu-every", "16"]
+    extra += ["--bleu-max-sentences", "8"]
+    assert train.main(_flags(slice_dir, workdir, *extra)) == 0
+    return workdir
+
+
+def test_workdir_has_everything_evaluation_needs_and_loss_falls(straight_run, capsys):
+    workdir = straight_run
+    config = load_run_config(workdir)
+    assert config["model"]["d_model"] == 32 and config["model"]["vocab_size"] == 400
+    assert config["data"]["dataset"] == "files" and config["data"]["max_len"] == 64
+    assert config["train"]["steps"] == 16 and config["train"]["warmup_steps"] == 10
+    assert (workdir / "tokenizer.model").is_file()
+    assert list(workdir.glob("events.out.tfevents.*"))
+    assert checkpoint_steps(workdir) == [8, 12, 16]  # last 3 (16 is also the best)
+    records = read_metrics(workdir)
+    train_records = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train_records] == [4, 8, 12, 16]
+    for r in train_records:
+        assert {"loss", "lr", "tokens_per_s"} <= set(r) and r["tokens_per_s"] > 0
+    assert train_records[-1]["loss"] < train_records[0]["loss"] - 0.3
+    val = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in val] == [8, 16] and "val_bleu" in val[-1]
+    assert val[1]["val_loss"] < val[0]["val_loss"]
+    _, best_step = restore_params(workdir, "best")
+    assert best_step == 16
+
+
+def test_stop_and_resume_gives_exactly_the_uninterrupted_parameters(
+    straight_run, slice_dir, tmp_path, capsys
+):
+    # Dropout is on (tiny preset: 0.1), so this also checks the RNG and data position.
+    assert train.main(_flags(slice_dir, tmp_path, "--steps", "8")) == 0
+    assert checkpoint_steps(tmp_path) == [4, 8]
+    assert train.main(["--workdir", str(tmp_path), "--steps", "16", "--no-progress"]) == 0
+    assert "resumed from step 8" in capsys.readouterr().out
+    resumed, step = restore_params(tmp_path, "last")
+    straight, _ = restore_params(straight_run, "last")
+    assert step == 16
+    _params_equal(resumed, straight)
+    # The logged losses agree too, and no step is logged twice.
+    losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path) if "loss" in r}
+    expected = {r["step"]: r["loss"] for r in read_metrics(straight_run) if "loss" in r}
+    assert losses == expected
+    assert load_run_config(tmp_path)["train"]["steps"] == 16
+
+
+def test_damaged_latest_checkpoint_is_reported_and_the_one_before_used(
+    straight_run, slice_dir, tmp_path, capsys
+):
+    assert train.main(_flags(slice_dir, tmp_path, "--steps", "8")) == 0
+    for f in (tmp_path / "checkpoints" / "8" / "params").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\x00not a checkpoint")
+    capsys.readouterr()
+    assert train.main(["--workdir", str(tmp_path), "--steps", "12", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint step 8" in out and "damaged" in out and "resumed from step 4" in out
+    # Steps 5..12 are redone from step 4: the same parameters as the straight run's step 12.
+    _params_equal(restore_params(tmp_path, 12)[0], restore_params(straight_run, 12)[0])
+
+
+def test_resuming_with_another_model_config_is_a_one_line_error(straight_run, capsys):
+    code = train.main(["--workdir", str(straight_run), "--d-model", "64", "--steps", "20"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert "d_model=32 there, 64 now" in err
+
+
+def test_non_finite_loss_exits_1_with_the_step_and_keeps_the_last_checkpoint(
+    slice_dir, tmp_path, capsys, monkeypatch
+):
+    # Every step's loss goes through check_finite_loss; make it see a NaN at step 6.
+    real_check = training.check_finite_loss
+    monkeypatch.setattr(
+        training,
+        "check_finite_loss",
+        lambda step, loss: real_check(step, float("nan") if step == 6 else loss),
+    )
+    code = train.main(_flags(slice_dir, tmp_path, "--steps", "12"))
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "loss is nan at step 6" in err and err.count("\n") == 1
+    assert checkpoint_steps(tmp_path) == [4]
+    assert restore_params(tmp_path, "last")[1] == 4
+
+
+def test_check_finite_loss():
+    training.check_finite_loss(3, 1.5)
+    with pytest.raises(NonFiniteLossError, match="inf at step 9"):
+        training.check_finite_loss(9, float("inf"))
+
+
+def _cli(*args, timeout=120, **kwargs):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
+
+
+def test_help_documents_every_flag():
+    result = _cli("--help")
+    assert result.returncode == 0
+    for flag in (
+        "--workdir --data-dir --dataset --tfds-name --src --tgt --vocab-size --tokenizer-type "
+        "--max-tokens --preset --d-model --num-heads --d-ff --num-encoder-layers "
+        "--num-decoder-layers --dropout-rate --attention-dropout-rate --max-len "
+        "--share-embeddings --no-share-embeddings --pre-layer-norm --dtype --steps --epochs "
+        "--warmup-steps --lr-scale --label-smoothing --clip-grad-norm --seed --log-every "
+        "--eval-every --bleu-every --checkpoint-every --keep-checkpoints "
+        "--coordinator-address --num-processes --process-id"
+    ).split():
+        assert flag in result.stdout, flag
+
+
+def test_bad_data_flag_is_a_one_line_error_and_exit_2(tmp_path):
+    result = _cli("--workdir", str(tmp_path / "run"), "--dataset", "files", "--data-dir",
+                  str(tmp_path / "missing"))  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: data directory not found")
+    assert result.stderr.count("\n") == 1
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_0(slice_dir, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    args = _flags(slice_dir, tmp_path, "--steps", "100000")
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 180
+        while not (tmp_path / "checkpoints" / "4").is_dir():  # a finished first checkpoint
+            assert process.poll() is None, process.communicate()
+            assert time.time() < deadline, "no checkpoint within 180 s"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, err
+    assert "interrupted at step" in out
+    assert f"Resume with: python train.py --workdir {tmp_path}" in out
+    stopped_at = int(out.split("interrupted at step ")[1].split(";")[0])
+    assert stopped_at >= 4 and checkpoint_steps(tmp_path)[-1] == stopped_at
+    _, step = restore_params(tmp_path, "last")
+    assert step == stopped_at
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 100000

@@ -1,0 +1,157 @@
+"""Training math and the Trainer: smoothed loss, schedule, overfitting, non-finite loss stop."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import data
+from transformer import TransformerConfig
+from transformer.checkpoints import checkpoint_steps, restore_params
+from transformer.training import (
+    NonFiniteLossError,
+    TrainConfig,
+    Trainer,
+    label_smoothed_cross_entropy,
+    learning_rate_schedule,
+    make_optimizer,
+    read_metrics,
+    replicate,
+    unreplicate,
+    with_data_state,
+)
+
+
+def test_label_smoothed_cross_entropy_matches_the_explicit_distribution():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 5, 7)).astype(np.float32) * 3
+    targets = np.array([[4, 2, 6, 0, 0], [1, 3, 5, 2, 0]], np.int32)  # 0 is padding
+    eps, vocab = 0.1, 7
+    q = np.full((2, 5, vocab), eps / vocab) + (1 - eps) * np.eye(vocab)[targets]
+    log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    real = targets != 0
+    expected = -(q * log_p).sum(-1)[real].sum()
+    loss_sum, num_tokens = label_smoothed_cross_entropy(jnp.asarray(logits), targets, 0, eps)
+    assert int(num_tokens) == 7
+    np.testing.assert_allclose(float(loss_sum), expected, rtol=1e-5)
+    nll_sum, _ = label_smoothed_cross_entropy(jnp.asarray(logits), targets, 0, 0.0)
+    np.testing.assert_allclose(float(nll_sum), -log_p[real, targets[real]].sum(), rtol=1e-5)
+
+
+def test_padding_positions_do_not_count():
+    logits = jnp.zeros((1, 3, 5)).at[0, 2].set(100.0)  # garbage only at a padding position
+    loss_sum, n = label_smoothed_cross_entropy(logits, jnp.array([[1, 2, 0]]), 0, 0.1)
+    assert int(n) == 2
+    np.testing.assert_allclose(float(loss_sum), 2 * math.log(5), rtol=1e-6)
+
+
+def test_learning_rate_schedule_is_the_papers_formula():
+    d_model, warmup = 512, 4000
+    schedule = learning_rate_schedule(d_model, warmup, scale=2.0)
+
+    def paper(step):
+        return 2.0 * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+
+    for step in (1, 100, 3999, 4000, 4001, 100_000):
+        np.testing.assert_allclose(float(schedule(step - 1)), paper(step), rtol=1e-5)
+    rates = [float(schedule(c)) for c in range(0, 8000, 50)]
+    assert int(np.argmax(rates)) * 50 + 1 in range(3950, 4051)  # peak at the end of warmup
+
+
+def test_optimizer_is_adam_with_the_papers_betas_and_optional_clipping():
+    params = {"w": jnp.ones(3)}
+    grads = {"w": jnp.array([300.0, 400.0, 0.0])}
+    plain = make_optimizer(TrainConfig(steps=1, warmup_steps=1), d_model=4)
+    clipped = make_optimizer(TrainConfig(steps=1, warmup_steps=1, grad_clip_norm=1.0), d_model=4)
+    state = plain.init(params)
+    updates, state = plain.update(grads, state, params)
+    # First Adam step: m/(sqrt(v)+eps) = sign(g); lr(1) = 4^-0.5 * 1 = 0.5.
+    np.testing.assert_allclose(updates["w"], [-0.5, -0.5, 0.0], rtol=1e-6)
+    mu = state[0].mu["w"]
+    np.testing.assert_allclose(mu, 0.1 * grads["w"], rtol=1e-6)  # b1 = 0.9
+    _, cstate = clipped.update(grads, clipped.init(params), params)
+    # Adam (second in the chain) saw the gradient clipped to norm 1: g / 500.
+    np.testing.assert_allclose(cstate[1][0].mu["w"], 0.1 * grads["w"] / 500.0, rtol=1e-6)
+
+
+def test_replicate_unreplicate_round_trip():
+    tree = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "s": np.int32(7)}
+    replicated = replicate(tree)
+    assert replicated["a"].shape == (jax.local_device_count(), 2, 3)
+    back = unreplicate(replicated)
+    np.testing.assert_array_equal(back["a"], tree["a"])
+    assert back["s"] == 7
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(multi30k_dir, tmp_path_factory):
+    """16 real Multi30k pairs as ids, a tokenizer trained on 300, a dropout-free tiny model."""
+    spec = data.CorpusSpec(data_dir=str(multi30k_dir))
+    train = data.load_corpus(spec, "train")
+    corpus = data.Corpus(src=train.src[:300], tgt=train.tgt[:300], summary=train.summary)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.model"
+    tokenizer = data.train_tokenizer(corpus.src + corpus.tgt, path, vocab_size=400)
+    few = data.Corpus(src=corpus.src[:16], tgt=corpus.tgt[:16], summary=train.summary)
+    encoded = data.encode_corpus(tokenizer, few, max_len=64)
+    model_config = TransformerConfig.preset(
+        "tiny", vocab_size=tokenizer.vocab_size, dropout_rate=0.0, max_len=64
+    )
+    return tokenizer, encoded, model_config
+
+
+def _batcher(tokenizer, encoded):
+    return data.TokenBatcher(
+        encoded,
+        max_tokens=1024,
+        num_devices=jax.local_device_count(),
+        pad_id=tokenizer.pad_id,
+        bos_id=tokenizer.bos_id,
+        max_shapes=1,
+    )
+
+
+_RECIPE = dict(warmup_steps=10, learning_rate_scale=0.3, label_smoothing=0.0, bleu_every=0)
+
+
+def test_a_tiny_set_can_be_overfit(tiny_setup, tmp_path):
+    tokenizer, encoded, model_config = tiny_setup
+    config = TrainConfig(steps=100, log_every=10, eval_every=0, checkpoint_every=100, **_RECIPE)
+    trainer = Trainer(model_config, config, tmp_path, pad_id=tokenizer.pad_id, progress=False)
+    batcher = _batcher(tokenizer, encoded)
+    assert trainer.restore_or_init(batcher) == 0
+    trainer.open_metrics()
+    result = trainer.run(with_data_state(batcher), config.steps)
+    trainer.close()
+    nll = [m["nll"] for m in read_metrics(tmp_path)]
+    assert result.step == 100 and not result.interrupted
+    assert nll[0] > 3.5  # about the unigram entropy at the start
+    assert nll[-1] < 0.5, nll  # memorized 16 sentences
+    assert checkpoint_steps(tmp_path) == [100]
+
+
+def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(
+    tiny_setup, tmp_path
+):
+    tokenizer, encoded, model_config = tiny_setup
+    config = TrainConfig(steps=8, log_every=4, eval_every=0, checkpoint_every=4, **_RECIPE)
+    trainer = Trainer(model_config, config, tmp_path, pad_id=tokenizer.pad_id, progress=False)
+    batcher = _batcher(tokenizer, encoded)
+    trainer.restore_or_init(batcher)
+    trainer.open_metrics()
+    trainer.run(with_data_state(batcher), 4)
+    good = unreplicate(trainer.state.params)
+    # Poison the parameters: step 5 computes a NaN loss.
+    trainer.state = trainer.state.replace(
+        params=replicate(jax.tree.map(lambda x: x * np.float32("nan"), good))
+    )
+    with pytest.raises(NonFiniteLossError, match="at step 5") as info:
+        trainer.run(with_data_state(batcher), 8)
+    trainer.close()
+    assert "\n" not in str(info.value)
+    assert checkpoint_steps(tmp_path) == [4]
+    params, step = restore_params(tmp_path, "last")
+    assert step == 4
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(good), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -1,0 +1,474 @@
+"""Trains a Transformer translation model into a workdir, resuming from its latest checkpoint.
+
+  python train.py --workdir runs/multi30k                 # Multi30k en->de, the "small" model
+  python train.py --workdir runs/x --dataset files --data-dir DIR --src fr --tgt en
+  python train.py --workdir runs/multi30k                 # again: resumes where it stopped
+
+Everything evaluation needs lands in the workdir: config.json (model, data and
+training settings), tokenizer.model, checkpoints/, metrics.jsonl and
+TensorBoard event files. Rerunning with the same --workdir resumes with the
+saved settings; flags given again may change the training schedule (e.g. more
+--steps) but not the model or the data.
+
+Exit status: 0 when done or interrupted (SIGINT/SIGTERM save a checkpoint
+first), 1 when the loss became non-finite, 2 for bad flags, data or workdir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+# Flag name -> (TransformerConfig field, type, help).
+MODEL_FLAGS = {
+    "d_model": (int, "width of embeddings and every residual stream"),
+    "num_heads": (int, "attention heads"),
+    "d_ff": (int, "inner width of the feed-forward networks"),
+    "num_encoder_layers": (int, "encoder layers N"),
+    "num_decoder_layers": (int, "decoder layers N"),
+    "dropout_rate": (float, "dropout on sub-layer outputs and embeddings"),
+    "attention_dropout_rate": (float, "dropout on attention weights"),
+    "max_len": (int, "longest pair in tokens; longer training pairs are dropped (and counted)"),
+}
+# Training flag -> TrainConfig field, when the names differ.
+TRAIN_FIELDS = {
+    "lr_scale": "learning_rate_scale",
+    "clip_grad_norm": "grad_clip_norm",
+}
+DATA_FIELDS = (
+    "dataset",
+    "data_dir",
+    "tfds_name",
+    "tfds_data_dir",
+    "src",
+    "tgt",
+    "vocab_size",
+    "tokenizer_type",
+    "max_tokens",
+    "max_shapes",
+)
+DEFAULT_PRESET = "small"
+# Multi30k-sized defaults; the paper's WMT recipe used warmup 4000 and 25k-token batches.
+DATA_DEFAULTS = {
+    "dataset": "multi30k",
+    "data_dir": None,
+    "tfds_name": None,
+    "tfds_data_dir": None,
+    "src": "en",
+    "tgt": "de",
+    "vocab_size": 8000,
+    "tokenizer_type": "bpe",
+    "max_tokens": 4096,
+    "max_shapes": 12,
+}
+TRAIN_DEFAULTS = {"epochs": 20, "warmup_steps": 1000}
+
+
+class UsageError(Exception):
+    """A bad flag combination; str() is one line."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; every flag is documented in --help."""
+    p = argparse.ArgumentParser(
+        prog="train.py",
+        description=(
+            "Train the 'Attention Is All You Need' Transformer (data-parallel over all local "
+            "devices) into --workdir. Rerun with the same --workdir to resume."
+        ),
+        epilog=(
+            "Flags left out take the workdir's saved settings when resuming, else the defaults "
+            "shown. Exit status: 0 done or interrupted, 1 non-finite loss, 2 bad input."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        argument_default=None,
+    )
+    p.add_argument("--workdir", required=True, help="run directory (created; resumed if present)")
+
+    d = p.add_argument_group("data")
+    d.add_argument(
+        "--dataset",
+        choices=["multi30k", "files", "tfds"],
+        help="corpus source [multi30k]: Multi30k (downloaded once, or from --data-dir), a "
+        "folder of {split}.{lang} files, or a TFDS dataset",
+    )
+    d.add_argument("--data-dir", help="folder of train.{src,tgt} and val.{src,tgt} files")
+    d.add_argument("--tfds-name", help="TFDS dataset, e.g. wmt14_translate/de-en")
+    d.add_argument("--tfds-data-dir", help="TFDS data directory [TFDS default]")
+    d.add_argument("--src", help="source language code [en]")
+    d.add_argument("--tgt", help="target language code [de]")
+    d.add_argument("--vocab-size", type=int, help="joint SentencePiece vocabulary size [8000]")
+    d.add_argument(
+        "--tokenizer-type", choices=["bpe", "unigram"], help="SentencePiece model type [bpe]"
+    )
+    d.add_argument(
+        "--max-tokens",
+        type=int,
+        help="padded source+target tokens per global step, all devices together [4096]",
+    )
+    d.add_argument(
+        "--max-shapes",
+        type=int,
+        help="most distinct batch shapes (compiled step programs) [12]",
+    )
+
+    m = p.add_argument_group("model (TransformerConfig)")
+    m.add_argument("--preset", help=f"base model: tiny, small, base, big [{DEFAULT_PRESET}]")
+    for name, (kind, text) in MODEL_FLAGS.items():
+        m.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
+    m.add_argument(
+        "--share-embeddings",
+        action=argparse.BooleanOptionalAction,
+        help="one matrix for source/target embeddings and the output projection [on]",
+    )
+    m.add_argument(
+        "--pre-layer-norm",
+        action=argparse.BooleanOptionalAction,
+        help="pre-LN residual blocks instead of the paper's post-LN [off]",
+    )
+    m.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype [float32]")
+
+    t = p.add_argument_group("training (TrainConfig)")
+    length = t.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, help="optimizer updates in total")
+    length.add_argument("--epochs", type=int, help="passes over the training data [20]")
+    t.add_argument("--warmup-steps", type=int, help="learning-rate warmup steps [1000]")
+    t.add_argument(
+        "--lr-scale", type=float, help="factor on d_model^-0.5 * min(step^-0.5, ...) [1.0]"
+    )
+    t.add_argument("--label-smoothing", type=float, help="epsilon_ls [0.1]")
+    t.add_argument("--clip-grad-norm", type=float, help="clip the global gradient norm [off]")
+    t.add_argument("--adam-b1", type=float, help="Adam beta1 [0.9]")
+    t.add_argument("--adam-b2", type=float, help="Adam beta2 [0.98]")
+    t.add_argument("--adam-eps", type=float, help="Adam epsilon [1e-9]")
+    t.add_argument("--seed", type=int, help="initialization, dropout and shuffling seed [0]")
+    t.add_argument("--log-every", type=int, help="steps between metric lines [100]")
+    t.add_argument("--eval-every", type=int, help="steps between validation losses; 0 off [1000]")
+    t.add_argument(
+        "--bleu-every", type=int, help="steps between validation BLEU (greedy); 0 off [5000]"
+    )
+    t.add_argument("--bleu-max-tokens", type=int, help="tokens per BLEU decoding batch [4096]")
+    t.add_argument(
+        "--bleu-max-sentences", type=int, help="score only the first N validation lines [all]"
+    )
+    t.add_argument("--checkpoint-every", type=int, help="steps between checkpoints [1000]")
+    t.add_argument(
+        "--keep-checkpoints", type=int, help="recent checkpoints kept, plus the best by BLEU [3]"
+    )
+
+    o = p.add_argument_group("output and multi-host")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar (for log files)")
+    o.add_argument(
+        "--coordinator-address",
+        help="host:port of process 0; starts jax.distributed for a multi-host run "
+        "(also JAX_COORDINATOR_ADDRESS, or auto-detected with --num-processes)",
+    )
+    o.add_argument("--num-processes", type=int, help="hosts in a multi-host run")
+    o.add_argument("--process-id", type=int, help="this host's index in a multi-host run")
+    return p
+
+
+def given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The flags among `names` that were given on the command line."""
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def _differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    return [
+        f"{k}={saved.get(k)!r} there, {wanted.get(k)!r} now"
+        for k in sorted(set(saved) | set(wanted))
+        if saved.get(k) != wanted.get(k)
+    ]
+
+
+def data_settings(args: argparse.Namespace, saved: dict[str, Any] | None) -> dict[str, Any]:
+    """The "data" section: saved settings (or defaults) with the given flags on top."""
+    settings = {**DATA_DEFAULTS, **((saved or {}).get("data") or {})}
+    flags = given(args, *DATA_FIELDS)
+    if "data_dir" in flags:
+        flags["data_dir"] = str(Path(flags["data_dir"]).resolve())
+    if "tfds_data_dir" in flags:
+        flags["tfds_data_dir"] = str(Path(flags["tfds_data_dir"]).resolve())
+    settings.update(flags)
+    return settings
+
+
+def model_config(args: argparse.Namespace, saved: dict[str, Any] | None, tokenizer: Any):
+    """The TransformerConfig: the saved one (resume) or a preset, with flag overrides."""
+    from transformer import TransformerConfig
+
+    overrides = given(args, *MODEL_FLAGS, "share_embeddings", "pre_layer_norm", "dtype")
+    overrides.update(vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)
+    try:
+        if saved is not None and args.preset is None:
+            return TransformerConfig.from_dict(saved["model"]).replace(**overrides)
+        return TransformerConfig.preset(args.preset or DEFAULT_PRESET, **overrides)
+    except ValueError as e:
+        raise UsageError(f"bad model settings: {e}") from None
+
+
+def train_config(args: argparse.Namespace, saved: dict[str, Any] | None):
+    """The TrainConfig: saved (resume) or defaults, with the given flags on top."""
+    from transformer.training import TrainConfig
+
+    settings = dict((saved or {}).get("train") or TRAIN_DEFAULTS)
+    names = [f.name for f in dataclasses.fields(TrainConfig)] + list(TRAIN_FIELDS)
+    flags = {TRAIN_FIELDS.get(k, k): v for k, v in given(args, *names).items()}
+    if "steps" in flags:
+        settings["epochs"] = None
+    if "epochs" in flags:
+        settings["steps"] = None
+    settings.update(flags)
+    try:
+        return TrainConfig(**settings)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"bad training settings: {e}") from None
+
+
+def check_resume_matches(workdir: Path, saved: dict[str, Any], section: str, now: dict) -> None:
+    """Raises a one-line error if a resumed run asks for another model or data setup."""
+    from transformer.checkpoints import CheckpointError, checkpoint_steps
+
+    diffs = _differences(saved.get(section) or {}, now)
+    if diffs and checkpoint_steps(workdir):
+        raise CheckpointError(
+            f"{workdir} holds a run with other {section} settings ({'; '.join(diffs)}); "
+            "leave those flags out to resume it, or train into a new --workdir"
+        )
+
+
+def maybe_initialize_distributed(args: argparse.Namespace) -> None:
+    """Starts jax.distributed when the flags or environment ask for a multi-host run."""
+    import jax
+
+    wanted = (
+        args.coordinator_address is not None
+        or args.num_processes is not None
+        or args.process_id is not None
+        or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    )
+    if wanted:
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator_address,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+        )
+
+
+@dataclasses.dataclass
+class TrainingData:
+    """The data side of a run, ready for the Trainer."""
+
+    tokenizer: Any
+    batcher: Any
+    validation: Any  # transformer.training.ValidationData or None
+    summary: list[str]
+
+
+def load_training_data(
+    workdir: Path, settings: dict[str, Any], max_len: int, seed: int, log
+) -> TrainingData:
+    """Corpus -> tokenizer -> ids -> bucketed batches, plus validation data."""
+    import jax
+
+    import data
+    from transformer.training import ValidationData
+
+    spec = data.CorpusSpec(**{k: settings[k] for k in dataclasses.asdict(data.CorpusSpec())})
+    train = data.load_corpus(spec, "train")
+    tokenizer = data.load_or_train_tokenizer(
+        workdir, train, vocab_size=settings["vocab_size"], model_type=settings["tokenizer_type"]
+    )
+    cache = workdir / "cache"
+    encoded = data.encode_corpus(tokenizer, train, max_len=max_len, cache_dir=cache)
+    batcher = data.TokenBatcher(
+        encoded,
+        max_tokens=settings["max_tokens"],
+        num_devices=jax.local_device_count(),
+        pad_id=tokenizer.pad_id,
+        bos_id=tokenizer.bos_id,
+        seed=seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        max_shapes=settings["max_shapes"],
+    )
+    summary = [
+        f"data: {train.summary}",
+        f"data: {encoded}; tokenizer {tokenizer.model_type}, {tokenizer.vocab_size} pieces",
+        f"data: {batcher.num_shapes} batch shapes (rows, src, tgt): "
+        + " ".join(f"{r}x{s}x{t}" for r, s, t in batcher.shapes)
+        + f"; padding efficiency {batcher.padding_efficiency():.1%}; "
+        f"~{batcher.batches_per_epoch} batches per epoch",
+    ]
+    try:
+        val = data.load_corpus(spec, "val")
+        val_raw = data.load_corpus(spec, "val", clean=False)
+    except data.DataError as e:
+        log(f"warning: no validation: {e}")
+        return TrainingData(tokenizer, batcher, None, summary)
+    val_encoded = data.encode_corpus(tokenizer, val, max_len=None, cache_dir=cache)
+    val_batcher = data.TokenBatcher(
+        val_encoded,
+        max_tokens=settings["max_tokens"],
+        num_devices=jax.local_device_count(),
+        pad_id=tokenizer.pad_id,
+        bos_id=tokenizer.bos_id,
+        shuffle=False,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        max_shapes=settings["max_shapes"],
+    )
+    val_batches = [val_batcher.batch_at(i) for i in range(val_batcher.batches_per_epoch)]
+    references = data.read_lines(val_raw.tgt_path) if val_raw.tgt_path else val_raw.tgt
+    summary.append(
+        f"data: validation {val.summary}; {len(val_batches)} loss batches, "
+        f"{len(val_raw)} lines for BLEU"
+    )
+    validation = ValidationData(
+        batches=lambda: val_batches,
+        sources=val_raw.src,
+        references=references,
+        tokenizer=tokenizer,
+    )
+    return TrainingData(tokenizer, batcher, validation, summary)
+
+
+def install_stop_handlers(stop: threading.Event, log) -> dict[int, Any]:
+    """SIGINT/SIGTERM set `stop` (the loop then saves and exits); a second SIGINT aborts."""
+
+    def handler(signum, frame):
+        if stop.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop.set()
+        log(f"{signal.Signals(signum).name}: saving a checkpoint, then stopping")
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
+def run(args: argparse.Namespace) -> int:
+    """Trains as the flags say; returns the exit status."""
+    maybe_initialize_distributed(args)
+    import jax
+    from tqdm.auto import tqdm
+
+    from data import prefetch
+    from transformer.checkpoints import CONFIG_FILE, load_run_config, save_run_config
+    from transformer.training import Trainer, with_data_state
+
+    log = tqdm.write
+    main_process = jax.process_index() == 0
+    workdir = Path(args.workdir)
+    if workdir.exists() and not workdir.is_dir():
+        raise UsageError(f"--workdir {workdir} is a file, not a directory")
+    saved = load_run_config(workdir) if (workdir / CONFIG_FILE).is_file() else None
+
+    data_cfg = data_settings(args, saved)
+    train_cfg = train_config(args, saved)
+    max_len = args.max_len or (saved["model"]["max_len"] if saved else None)
+    if max_len is None:
+        from transformer import TransformerConfig
+
+        max_len = TransformerConfig.preset(args.preset or DEFAULT_PRESET, vocab_size=1).max_len
+    data_cfg["max_len"] = max_len
+    if saved is not None:
+        check_resume_matches(workdir, saved, "data", data_cfg)
+    loaded = load_training_data(workdir, data_cfg, max_len, train_cfg.seed, log)
+    model_cfg = model_config(args, saved, loaded.tokenizer)
+    if saved is not None:
+        check_resume_matches(workdir, saved, "model", model_cfg.to_dict())
+    if main_process:
+        save_run_config(
+            workdir,
+            {"model": model_cfg.to_dict(), "data": data_cfg, "train": train_cfg.to_dict()},
+        )
+    for line in loaded.summary:
+        log(line)
+
+    total_steps = train_cfg.steps or train_cfg.epochs * loaded.batcher.batches_per_epoch
+    trainer = Trainer(
+        model_cfg,
+        train_cfg,
+        workdir,
+        pad_id=loaded.tokenizer.pad_id,
+        log=log,
+        progress=not args.no_progress,
+        is_main_process=main_process,
+    )
+    stop = threading.Event()
+    previous_handlers = install_stop_handlers(stop, log)
+    batches = None
+    try:
+        start = trainer.restore_or_init(loaded.batcher)
+        num_params = sum(x.size for x in jax.tree.leaves(trainer.params()))
+        log(
+            f"model: {num_params / 1e6:.2f}M parameters, d_model {model_cfg.d_model}, "
+            f"{model_cfg.num_encoder_layers}+{model_cfg.num_decoder_layers} layers; "
+            f"{jax.device_count()} {jax.devices()[0].platform} device(s) on "
+            f"{jax.process_count()} host(s)"
+        )
+        if start:
+            log(f"resumed from step {start} in {trainer.checkpoints.directory}")
+        if start >= total_steps:
+            log(f"already at step {start} of {total_steps}; pass a larger --steps to go on")
+        trainer.open_metrics()
+        batches = prefetch(loaded.batcher, size=2)
+        result = trainer.run(
+            with_data_state(batches), total_steps, loaded.validation, stop_event=stop
+        )
+    finally:
+        if batches is not None:
+            batches.close()
+        trainer.close()
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
+    if result.interrupted:
+        log(
+            f"interrupted at step {result.step}; checkpoint saved in {result.checkpoint_dir}. "
+            f"Resume with: python train.py --workdir {workdir}"
+        )
+        return 0
+    best = (
+        f"best validation BLEU {result.best_bleu:.2f} at step {result.best_step}"
+        if result.best_bleu is not None
+        else "no validation BLEU yet"
+    )
+    log(
+        f"done: step {result.step} of {total_steps} in {_duration(result.seconds)}; {best}; "
+        f"checkpoints in {result.checkpoint_dir}"
+    )
+    return 0
+
+
+def _duration(seconds: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(seconds))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: parses flags, trains, maps library errors to `error: ...` lines."""
+    args = build_parser().parse_args(argv)
+    from data import DataError
+    from transformer.checkpoints import CheckpointError
+    from transformer.training import NonFiniteLossError
+
+    try:
+        return run(args)
+    except (DataError, CheckpointError, UsageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
