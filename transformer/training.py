@@ -618,6 +618,7 @@ class Trainer:
             log=lambda m: self._log(f"warning: {m}"),
         )
         self.state: TrainState | None = None  # replicated
+        self._metrics: MetricsLog | None = None
         self.step = 0
         self.data_state: dict[str, Any] | None = None
 
@@ -721,9 +722,9 @@ class Trainer:
         """
         from tqdm.auto import tqdm
 
-        check_loss = check_loss or check_finite_loss
-        cfg = self.config
         start_time = time.time()
+        if self._metrics is None:
+            self.open_metrics()
         bar = tqdm(
             total=total_steps,
             initial=self.step,
@@ -731,21 +732,8 @@ class Trainer:
             dynamic_ncols=True,
             unit="step",
         )
-        window_tokens, window_start, last_loss = 0, time.time(), None
-        pending: tuple[int, dict[str, jax.Array]] | None = None
+        tracker = _StepMetrics(check_loss or check_finite_loss)
         interrupted = False
-
-        def settle() -> dict[str, float] | None:
-            """Fetches and checks the metrics of the last dispatched step."""
-            nonlocal pending
-            if pending is None:
-                return None
-            step, metrics = pending
-            pending = None
-            values = {k: v.item() for k, v in unreplicate(metrics).items()}
-            check_loss(step, values["loss"])
-            return values
-
         try:
             while self.step < total_steps:
                 if stop_event is not None and stop_event.is_set():
@@ -756,50 +744,13 @@ class Trainer:
                 except StopIteration:
                     break
                 self.state, metrics = self.train_step(self.state, batch)
-                if pending is not None:
-                    # Check the step before this one while this one runs.
-                    window_tokens += int(settle()["num_tokens"])
-                pending = (self.step + 1, metrics)
+                # Checks the previous step's loss while this step runs.
+                tracker.push(self.step + 1, metrics)
                 self.step += 1
                 self.data_state = data_state
                 bar.update(1)
-
-                due_log = self.step % cfg.log_every == 0 or self.step == total_steps
-                due_eval = cfg.eval_every > 0 and self.step % cfg.eval_every == 0
-                due_bleu = cfg.bleu_every > 0 and self.step % cfg.bleu_every == 0
-                due_save = self.step % cfg.checkpoint_every == 0 or self.step == total_steps
-                if not (due_log or due_eval or due_bleu or due_save):
-                    continue
-                values = settle()
-                window_tokens += int(values["num_tokens"])
-                if due_log:
-                    elapsed = max(time.time() - window_start, 1e-9)
-                    record = {
-                        "loss": values["loss"],
-                        "nll": values["nll"],
-                        "lr": float(self.schedule(self.step - 1)),
-                        "grad_norm": values["grad_norm"],
-                        "tokens_per_s": window_tokens / elapsed,
-                    }
-                    last_loss = values["loss"]
-                    self._metrics.write(self.step, record)
-                    bar.set_postfix(
-                        loss=f"{record['loss']:.3f}",
-                        lr=f"{record['lr']:.2e}",
-                        tok_s=f"{record['tokens_per_s']:.0f}",
-                        refresh=False,
-                    )
-                    window_tokens, window_start = 0, time.time()
-                val_bleu = None
-                if validation is not None and (due_eval or due_bleu):
-                    results = self.validate(validation, bleu=due_bleu)
-                    val_bleu = results.get("val_bleu")
-                    self._metrics.write(self.step, results)
-                    self._log(f"step {self.step}: " + _format_results(results))
-                    window_start = time.time()  # validation time is not training throughput
-                if due_save or val_bleu is not None:
-                    self.save(val_bleu=val_bleu)
-            settle()
+                self._after_step(tracker, total_steps, validation, bar)
+            tracker.settle()
             self.save()
         finally:
             bar.close()
@@ -814,9 +765,50 @@ class Trainer:
             interrupted=interrupted,
             best_bleu=best_bleu,
             best_step=best_step,
-            last_loss=last_loss,
+            last_loss=tracker.last_loss,
             checkpoint_dir=self.checkpoints.directory,
         )
+
+    def _after_step(
+        self,
+        tracker: _StepMetrics,
+        total_steps: int,
+        validation: ValidationData | None,
+        bar: Any,
+    ) -> None:
+        """Logs, validates and checkpoints when the schedules say so."""
+        cfg, step = self.config, self.step
+        due_log = step % cfg.log_every == 0 or step == total_steps
+        due_eval = cfg.eval_every > 0 and step % cfg.eval_every == 0
+        due_bleu = cfg.bleu_every > 0 and step % cfg.bleu_every == 0
+        due_save = step % cfg.checkpoint_every == 0 or step == total_steps
+        if not (due_log or due_eval or due_bleu or due_save):
+            return
+        values = tracker.settle()  # nothing is saved before this step's loss is checked
+        if due_log:
+            record = {
+                "loss": values["loss"],
+                "nll": values["nll"],
+                "lr": float(self.schedule(step - 1)),
+                "grad_norm": values["grad_norm"],
+                "tokens_per_s": tracker.tokens_per_second(),
+            }
+            self._metrics.write(step, record)
+            bar.set_postfix(
+                loss=f"{record['loss']:.3f}",
+                lr=f"{record['lr']:.2e}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+                refresh=False,
+            )
+        val_bleu = None
+        if validation is not None and (due_eval or due_bleu):
+            results = self.validate(validation, bleu=due_bleu)
+            val_bleu = results.get("val_bleu")
+            self._metrics.write(step, results)
+            self._log(f"step {step}: " + _format_results(results))
+            tracker.restart_clock()  # validation time is not training throughput
+        if due_save or val_bleu is not None:
+            self.save(val_bleu=val_bleu)
 
     def open_metrics(self) -> None:
         """Opens metrics.jsonl and TensorBoard, dropping records after the resumed step."""
@@ -826,9 +818,52 @@ class Trainer:
 
     def close(self) -> None:
         """Finishes checkpoint writes and closes the logs."""
-        if getattr(self, "_metrics", None) is not None:
+        if self._metrics is not None:
             self._metrics.close()
         self.checkpoints.close()
+
+
+class _StepMetrics:
+    """Fetches each step's metrics one step late, checks the loss, and counts throughput.
+
+    Reading a step's metrics waits for that step; reading the previous step's
+    after dispatching the next keeps the device busy while the host checks.
+    """
+
+    def __init__(self, check_loss: Callable[[int, float], None]):
+        self._check_loss = check_loss
+        self._pending: tuple[int, dict[str, jax.Array]] | None = None
+        self._tokens = 0
+        self._clock = time.time()
+        self.last_loss: float | None = None
+
+    def push(self, step: int, metrics: dict[str, jax.Array]) -> None:
+        """Settles the previous step, then holds this one's metrics."""
+        self.settle()
+        self._pending = (step, metrics)
+
+    def settle(self) -> dict[str, float] | None:
+        """Fetches and checks the held step's metrics (None if none is held)."""
+        if self._pending is None:
+            return None
+        step, metrics = self._pending
+        self._pending = None
+        values = {k: v.item() for k, v in unreplicate(metrics).items()}
+        self._check_loss(step, values["loss"])
+        self._tokens += int(values["num_tokens"])
+        self.last_loss = values["loss"]
+        return values
+
+    def tokens_per_second(self) -> float:
+        """Real target tokens per second since the last call (or `restart_clock`)."""
+        now = time.time()
+        rate = self._tokens / max(now - self._clock, 1e-9)
+        self._tokens, self._clock = 0, now
+        return rate
+
+    def restart_clock(self) -> None:
+        """Starts a new throughput window."""
+        self._tokens, self._clock = 0, time.time()
 
 
 def _recipe(config: TrainConfig) -> TrainConfig:
