@@ -5,15 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 from matplotlib import image as mpimg
 
 import data
 import evaluate
-from transformer import Transformer, TransformerConfig, checkpoints
+import train
+from transformer import TransformerConfig, checkpoints
 
 N_TEST = 16
 FAST = ["--beam", "2", "--max-extra-len", "4", "--no-progress"]
@@ -21,47 +19,27 @@ FAST = ["--beam", "2", "--max-extra-len", "4", "--no-progress"]
 
 @pytest.fixture(scope="module")
 def workdir(multi30k_dir, tmp_path_factory) -> Path:
-    """A workdir as train.py writes it: config.json, tokenizer.model, three checkpoints.
+    """A workdir written by train.py: 400 steps of the tiny preset on 300 Multi30k pairs.
 
-    The model is random (scaled up so outputs depend on the source); the data
-    directory holds the first lines of Multi30k's val and test2016 splits.
+    Enough for outputs that share words with the references ("Ein Mann in
+    einem ..."), so the scores compared with sacreBLEU are not all zero.
+    Checkpoints at steps 200, 300 and 400; none was scored, so "best" is 400.
     """
     root = tmp_path_factory.mktemp("eval")
     data_dir = root / "data"
     data_dir.mkdir()
-    for split, n in (("val", 300), ("test2016", N_TEST)):
+    for split, n in (("train", 300), ("val", 16), ("test2016", N_TEST)):
         for lang in ("en", "de"):
             lines = (multi30k_dir / f"{split}.{lang}").read_bytes().split(b"\n")[:n]
             (data_dir / f"{split}.{lang}").write_bytes(b"\n".join(lines) + b"\n")
     run = root / "run"
-    corpus = data.load_corpus(data.CorpusSpec(dataset="files", data_dir=str(data_dir)), "val")
-    tokenizer = data.train_tokenizer(
-        corpus.src + corpus.tgt, run / checkpoints.TOKENIZER_FILE, vocab_size=400
-    )
-    config = TransformerConfig.preset("tiny", vocab_size=tokenizer.vocab_size)
-    checkpoints.save_run_config(
-        run,
-        {
-            "model": config.to_dict(),
-            "data": {
-                "dataset": "files",
-                "data_dir": str(data_dir),
-                "tfds_name": None,
-                "tfds_data_dir": None,
-                "src": "en",
-                "tgt": "de",
-                "vocab_size": tokenizer.vocab_size,
-            },
-            "train": {},
-        },
-    )
-    model = Transformer(config)
-    dummy = jnp.ones((1, 4), jnp.int32)
-    with checkpoints.Checkpoints(run, async_save=False) as ckpts:
-        for step in (1, 2, 3):
-            params = model.init(jax.random.key(step), dummy, dummy)["params"]
-            params = jax.tree.map(lambda x: np.asarray(3.0 * x), params)
-            ckpts.save(step, params, {"count": np.zeros(())}, {}, val_bleu=float(step == 2))
+    flags = ["--workdir", run, "--dataset", "files", "--data-dir", data_dir, "--preset", "tiny"]
+    flags += ["--vocab-size", "400", "--max-len", "64", "--max-tokens", "1024", "--max-shapes", "1"]
+    flags += ["--steps", "400", "--checkpoint-every", "100", "--keep-checkpoints", "3"]
+    flags += ["--warmup-steps", "50", "--lr-scale", "0.3", "--dropout-rate", "0"]
+    flags += ["--eval-every", "0", "--bleu-every", "0", "--log-every", "100", "--no-progress"]
+    assert train.main([str(f) for f in flags]) == 0
+    assert checkpoints.checkpoint_steps(run) == [200, 300, 400]
     return run
 
 
@@ -71,9 +49,10 @@ def _run(argv, capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
-def _score_line(out: str, name: str) -> str:
+def _score_text(out: str, name: str) -> str:
+    """What follows "NAME|signature = " in evaluate.py's output."""
     line = next(line for line in out.splitlines() if line.startswith(name + "|"))
-    return line.split(" = ")[1].split()[0]
+    return line.split(" = ", 1)[1]
 
 
 def test_printed_scores_equal_the_sacrebleu_command(workdir, tmp_path, capsys):
@@ -82,7 +61,7 @@ def test_printed_scores_equal_the_sacrebleu_command(workdir, tmp_path, capsys):
         ["--workdir", workdir, "--split", "test2016", "--output", hyp, *FAST], capsys
     )
     assert code == 0, err
-    assert "step 2 (best)" in err  # the checkpoint with the highest val_bleu
+    assert "step 400 (best)" in err  # no step was scored: the newest
     hypotheses = hyp.read_text(encoding="utf-8").split("\n")[:-1]
     assert len(hypotheses) == N_TEST and len(set(hypotheses)) > 1
     assert "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:" in out
@@ -94,10 +73,12 @@ def test_printed_scores_equal_the_sacrebleu_command(workdir, tmp_path, capsys):
         text=True,
         check=True,
     )
-    expected = {m["name"]: f"{m['score']:.2f}" for m in json.loads(cli.stdout)}
-    assert _score_line(out, "BLEU") == expected["BLEU"]
-    assert _score_line(out, "chrF2") == expected["chrF2"]
-    assert float(expected["chrF2"]) > 0
+    expected = {m["name"]: m for m in json.loads(cli.stdout)}
+    bleu = expected["BLEU"]
+    # Score, n-gram precisions, brevity penalty and lengths all agree.
+    assert _score_text(out, "BLEU") == f"{bleu['score']:.2f} {bleu['verbose_score']}"
+    assert _score_text(out, "chrF2") == f"{expected['chrF2']['score']:.2f}"
+    assert float(bleu["verbose_score"].split("/")[0]) > 0 and expected["chrF2"]["score"] > 0
 
 
 def test_identical_hypotheses_score_100(multi30k_dir):
@@ -110,10 +91,10 @@ def test_translate_keeps_one_line_per_line(workdir, tmp_path, capsys, monkeypatc
     lines = ["A man rides a bike.", "", "Two dogs play in the snow.", "   ", ""]
     source = tmp_path / "in.en"
     source.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    args = ["--workdir", workdir, "--translate", "--checkpoint", "last", *FAST]
+    args = ["--workdir", workdir, "--translate", "--checkpoint", "300", *FAST]
     code, out, err = _run([*args, "--input", source], capsys)
     assert code == 0, err
-    assert "step 3 (last)" in err
+    assert "step 300;" in err
     translations = out.split("\n")
     assert translations[-1] == "" and len(translations) - 1 == len(lines)
     assert [t == "" for t in translations[:-1]] == [False, True, False, True, True]
@@ -134,7 +115,7 @@ def test_average_last_and_src_file(workdir, tmp_path, capsys):
         capsys,
     )
     assert code == 0, err
-    assert "average of steps 2, 3" in err
+    assert "average of steps 300, 400" in err
     assert "BLEU" not in out  # nothing to score without --ref-file
 
 
@@ -164,14 +145,20 @@ def test_attention_plots_are_png_files(workdir, tmp_path, capsys):
     "argv, message",
     [
         (["--workdir", "{missing}", "--split", "test2016"], "does not exist"),
-        (["--workdir", "{workdir}", "--split", "test2099"], "available splits: test2016, val"),
+        (
+            ["--workdir", "{workdir}", "--split", "test2099"],
+            "available splits: test2016, train, val",
+        ),
         (
             ["--workdir", "{workdir}", "--split", "val", "--checkpoint", "7"],
             "no checkpoint at step 7",
         ),
         (["--workdir", "{workdir}", "--src-file", "{src}", "--ref-file", "{ref}"], "has 3 lines"),
         (["--workdir", "{workdir}", "--split", "val", "--translate"], "exactly one of"),
-        (["--workdir", "{workdir}", "--split", "val", "--average-last", "4"], "has 3 (1, 2, 3)"),
+        (
+            ["--workdir", "{workdir}", "--split", "val", "--average-last", "4"],
+            "has 3 (200, 300, 400)",
+        ),
     ],
     ids=["missing-workdir", "unknown-split", "missing-step", "line-mismatch", "two-modes", "avg"],
 )
