@@ -1,0 +1,178 @@
+"""Speed of the training step: tokens/s, model FLOPs, measured peak matmul FLOP/s, utilization.
+
+    python benchmarks/train_speed.py                        # default preset and base
+    python benchmarks/train_speed.py --presets small --steps 20
+
+For each preset it times the pmapped train step (forward, backward, Adam
+update, dropout on) at one fixed batch shape with no padding, so every position
+is a real target token. Model FLOPs are counted from the matmuls of the
+architecture (forward x 3 for forward + backward; embedding lookups, softmax,
+layer norm and the optimizer are not counted, as is usual for utilization).
+The peak is the best FLOP/s of a large float32 matmul timed in the same run on
+the same devices. It also reports how many batch shapes the default data
+pipeline compiles on Multi30k and the compile time of the first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transformer import Transformer, TransformerConfig  # noqa: E402
+from transformer.training import (  # noqa: E402
+    TrainConfig,
+    create_train_state,
+    make_optimizer,
+    make_train_step,
+    replicate,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def model_flops_per_step(cfg: TransformerConfig, rows: int, src_len: int, tgt_len: int) -> float:
+    """Matmul FLOPs of one training step (forward + backward = 3 x forward).
+
+    Args:
+      cfg: the model config.
+      rows: sentences in the global batch.
+      src_len: source positions per sentence.
+      tgt_len: target positions per sentence.
+
+    Returns:
+      FLOPs (a multiply-add counts 2).
+    """
+    d, f, b, s, t = cfg.d_model, cfg.d_ff, rows, src_len, tgt_len
+    encoder_layer = 4 * 2 * b * s * d * d + 2 * 2 * b * s * s * d + 2 * 2 * b * s * d * f
+    decoder_layer = (
+        4 * 2 * b * t * d * d  # self-attention Q, K, V, O
+        + 2 * 2 * b * t * t * d  # self-attention scores and weighted values
+        + 2 * 2 * b * t * d * d  # cross-attention Q, O
+        + 2 * 2 * b * s * d * d  # cross-attention K, V
+        + 2 * 2 * b * t * s * d  # cross-attention scores and weighted values
+        + 2 * 2 * b * t * d * f  # feed-forward
+    )
+    output_projection = 2 * b * t * d * cfg.vocab_size
+    forward = (
+        cfg.num_encoder_layers * encoder_layer
+        + cfg.num_decoder_layers * decoder_layer
+        + output_projection
+    )
+    return 3.0 * forward
+
+
+def peak_matmul_flops(size: int, repeats: int) -> float:
+    """Best FLOP/s of a [size, size] @ [size, size] float32 matmul on each device, summed."""
+    n = jax.local_device_count()
+    keys = jax.random.split(jax.random.key(0), n)
+    a = jax.pmap(lambda k: jax.random.normal(k, (size, size), jnp.float32))(keys)
+    matmul = jax.pmap(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return n * 2.0 * size**3 / best
+
+
+def time_train_step(
+    cfg: TransformerConfig, rows: int, src_len: int, tgt_len: int, steps: int
+) -> tuple[float, float]:
+    """Compiles and times the train step at one shape.
+
+    Returns:
+      (seconds of the first call, compile included; median seconds per later step).
+    """
+    model = Transformer(cfg)
+    recipe = TrainConfig(steps=steps, warmup_steps=1000)
+    optimizer = make_optimizer(recipe, cfg.d_model)
+    state = replicate(create_train_state(model, optimizer, seed=0))
+    step = make_train_step(model, optimizer, label_smoothing=0.1, pad_id=cfg.pad_id)
+    n = jax.local_device_count()
+    rng = np.random.default_rng(0)
+
+    def tokens(length):  # real tokens everywhere: ids 4.. (0-3 are pad/unk/bos/eos)
+        return rng.integers(4, cfg.vocab_size, (n, rows // n, length), dtype=np.int32)
+
+    batch = {"src": tokens(src_len), "tgt_in": tokens(tgt_len), "tgt_out": tokens(tgt_len)}
+    start = time.perf_counter()
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    return first, float(np.median(times))
+
+
+def default_pipeline_shapes(data_dir: Path) -> str:
+    """How many batch shapes the default pipeline makes on Multi30k en-de."""
+    import tempfile
+
+    import data
+
+    spec = data.CorpusSpec(dataset="files", data_dir=str(data_dir), src="en", tgt="de")
+    train = data.load_corpus(spec, "train")
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = data.load_or_train_tokenizer(
+            tmp, train, vocab_size=data.DEFAULT_VOCAB_SIZE, model_type="bpe"
+        )
+        encoded = data.encode_corpus(tokenizer, train, max_len=data.DEFAULT_MAX_LEN, cache_dir=tmp)
+    batcher = data.TokenBatcher(
+        encoded,
+        max_tokens=4096,
+        num_devices=jax.local_device_count(),
+        pad_id=tokenizer.pad_id,
+        bos_id=tokenizer.bos_id,
+    )
+    return (
+        f"{batcher.num_shapes} batch shapes (so {batcher.num_shapes} compiled train-step "
+        f"programs), padding efficiency {batcher.padding_efficiency():.1%}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", default="small,base", help="comma-separated presets")
+    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--rows", type=int, default=128, help="sentences per step")
+    parser.add_argument("--src-len", type=int, default=16)
+    parser.add_argument("--tgt-len", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per preset")
+    parser.add_argument("--matmul-size", type=int, default=2048)
+    parser.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data" / "multi30k"))
+    args = parser.parse_args()
+
+    devices = jax.local_devices()
+    print(f"devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()})")
+    peak = peak_matmul_flops(args.matmul_size, repeats=5)
+    print(f"peak matmul: {peak / 1e9:.1f} GFLOP/s ({args.matmul_size}^3 float32, best of 5)")
+    shape = f"{args.rows} x ({args.src_len} src + {args.tgt_len} tgt) tokens"
+    for name in args.presets.split(","):
+        cfg = TransformerConfig.preset(name, vocab_size=args.vocab_size)
+        first, seconds = time_train_step(cfg, args.rows, args.src_len, args.tgt_len, args.steps)
+        flops = model_flops_per_step(cfg, args.rows, args.src_len, args.tgt_len)
+        tokens_per_s = args.rows * args.tgt_len / seconds
+        print(
+            f"{name}: {shape}: first step (compile) {first:.1f} s; {seconds * 1e3:.0f} ms/step; "
+            f"{tokens_per_s:,.0f} target tokens/s; {flops / 1e9:.1f} GFLOP/step; "
+            f"{flops / seconds / 1e9:.1f} GFLOP/s; utilization {flops / seconds / peak:.1%}"
+        )
+    if Path(args.data_dir).is_dir():
+        print(f"default pipeline on Multi30k en-de: {default_pipeline_shapes(Path(args.data_dir))}")
+
+
+if __name__ == "__main__":
+    main()
