@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 from flax import linen as nn
 from tqdm import tqdm
@@ -65,6 +66,7 @@ def translate_ids(
     Returns:
       Per sentence, the output ids without the end token.
     """
+    params = jax.device_put(params)  # once, not on every batch's call
     outputs: list[list[int]] = [[] for _ in src_ids]
     todo = [i for i, ids in enumerate(src_ids) if len(ids)]
     search_kw = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, max_extra_len=max_extra_len)
