@@ -16,6 +16,10 @@ Translate standard input (or --input FILE), one line out for each line in::
 Cross-attention heatmaps of the first N sentences (one PNG per decoder layer)::
 
     python evaluate.py --workdir runs/base --split val --plot-attention 3 --plot-dir plots
+
+The training curve (loss and validation BLEU against time, from metrics.jsonl)::
+
+    python evaluate.py --workdir runs/base --plot-curve curve.png
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--translate", action="store_true", help="translate stdin (or --input) to stdout"
     )
     what.add_argument("--input", help="with --translate: read this file instead of stdin")
+    what.add_argument(
+        "--plot-curve",
+        metavar="PNG",
+        help="only draw the training curve (loss, validation BLEU against time) to this file",
+    )
     p.add_argument("--output", help="write the translations here, one per input line")
     model = p.add_argument_group("parameters")
     model.add_argument(
@@ -87,9 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    modes = [bool(args.split), bool(args.src_file), args.translate]
+    modes = [bool(args.split), bool(args.src_file), args.translate, bool(args.plot_curve)]
     if sum(modes) != 1:
-        raise UsageError("choose exactly one of --split, --src-file or --translate")
+        raise UsageError("choose exactly one of --split, --src-file, --translate or --plot-curve")
     if args.ref_file and not args.src_file:
         raise UsageError("--ref-file needs --src-file")
     if args.input and not args.translate:
@@ -199,10 +208,27 @@ def plot_attention(
     return paths
 
 
+def plot_curve(workdir: str, path: str) -> int:
+    """Draws the run's training curve from metrics.jsonl; returns the exit status."""
+    from transformer import visualize
+    from transformer.training import read_metrics
+
+    if not Path(workdir).is_dir():
+        raise UsageError(f"--workdir {workdir} does not exist; train into it with train.py first")
+    try:
+        visualize.plot_training_curve(read_metrics(workdir), path)
+    except ValueError as e:
+        raise UsageError(f"{workdir}: {e}") from None
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         _check_args(args)
+        if args.plot_curve:
+            return plot_curve(args.workdir, args.plot_curve)
         which = int(args.checkpoint) if args.checkpoint.isdigit() else args.checkpoint
         run = load_run(args.workdir, checkpoint=which, average_last=args.average_last)
         sources, references, name = load_sources_and_references(args, run)

@@ -141,6 +141,19 @@ def test_attention_plots_are_png_files(workdir, tmp_path, capsys):
         assert pixels.std() > 0.05  # not a blank canvas
 
 
+def test_training_curve_is_drawn_from_metrics(workdir, tmp_path, capsys):
+    path = tmp_path / "curve.png"
+    code, _, err = _run(["--workdir", workdir, "--plot-curve", path], capsys)
+    assert code == 0, err
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = mpimg.imread(path)
+    assert min(pixels.shape[:2]) > 300 and pixels.std() > 0.05
+    empty = tmp_path / "fresh_run"
+    empty.mkdir()
+    code, _, err = _run(["--workdir", empty, "--plot-curve", path], capsys)
+    assert code == 2 and "no training records" in err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

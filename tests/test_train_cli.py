@@ -80,6 +80,8 @@ def test_workdir_has_everything_evaluation_needs_and_loss_falls(straight_run, ca
     for r in train_records:
         assert {"loss", "lr", "tokens_per_s"} <= set(r) and r["tokens_per_s"] > 0
     assert train_records[-1]["loss"] < train_records[0]["loss"] - 0.3
+    elapsed = [r["elapsed_s"] for r in records]
+    assert elapsed[0] > 0 and elapsed == sorted(elapsed)  # training time, for curves
     val = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in val] == [8, 16] and "val_bleu" in val[-1]
     assert val[1]["val_loss"] < val[0]["val_loss"]
@@ -104,6 +106,8 @@ def test_stop_and_resume_gives_exactly_the_uninterrupted_parameters(
     expected = {r["step"]: r["loss"] for r in read_metrics(straight_run) if "loss" in r}
     assert losses == expected
     assert load_run_config(tmp_path)["train"]["steps"] == 16
+    elapsed = [r["elapsed_s"] for r in read_metrics(tmp_path)]
+    assert elapsed == sorted(elapsed)  # the clock carries over the resume
 
 
 def test_damaged_latest_checkpoint_is_reported_and_the_one_before_used(

@@ -477,6 +477,8 @@ class MetricsLog:
         self.path = Path(workdir) / METRICS_FILE
         self.enabled = enabled
         self._writer = None
+        # Training time carries over a resume, so curves against time stay continuous.
+        self._clock_start, self._clock_offset = time.time(), 0.0
         if not enabled:
             return
         if self.path.exists():
@@ -486,6 +488,8 @@ class MetricsLog:
                 if line.strip() and _record_step(line) <= resume_step
             ]
             self.path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+            if kept:
+                self._clock_offset = float(json.loads(kept[-1]).get("elapsed_s", 0.0))
         from tensorboardX import SummaryWriter
 
         self._writer = SummaryWriter(
@@ -493,10 +497,19 @@ class MetricsLog:
         )
 
     def write(self, step: int, values: dict[str, float]) -> None:
-        """Writes one record {"step": step, **values}."""
+        """Writes one record {"step": step, "elapsed_s": seconds of training so far, **values}.
+
+        `elapsed_s` counts wall time since the run started, summed over resumed
+        runs (the gap between an interruption and its resume is not counted).
+        """
         if not self.enabled:
             return
-        record = {"step": int(step), **{k: float(v) for k, v in values.items()}}
+        elapsed = self._clock_offset + time.time() - self._clock_start
+        record = {
+            "step": int(step),
+            "elapsed_s": round(elapsed, 3),
+            **{k: float(v) for k, v in values.items()},
+        }
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         for name, value in values.items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -189,3 +190,49 @@ def plot_sentence_attention(
             plot_attention_heads(weights_HTS, src_tokens, tgt_tokens, path, title=title)
             paths.append(path)
     return paths
+
+
+def plot_training_curve(records: Sequence[dict[str, float]], path: str | os.PathLike) -> str:
+    """Training loss and validation BLEU against training time, as one PNG.
+
+    Args:
+      records: the lines of a run's metrics.jsonl (`read_metrics`): training
+        records carry "loss", validation records "val_loss" and maybe
+        "val_bleu"; all carry "elapsed_s".
+
+    Returns:
+      The path written.
+
+    Raises:
+      ValueError: no record has a training loss and a time.
+    """
+    train = [r for r in records if "loss" in r and "elapsed_s" in r]
+    if not train:
+        raise ValueError("metrics.jsonl has no training records with a time yet")
+    val = [r for r in records if "val_loss" in r and "elapsed_s" in r]
+    bleu = [r for r in records if "val_bleu" in r and "elapsed_s" in r]
+    minutes = lambda rs: [r["elapsed_s"] / 60 for r in rs]  # noqa: E731
+    fig, loss_ax = plt.subplots(figsize=(7.5, 4.2), layout="constrained")
+    loss_ax.plot(minutes(train), [r["loss"] for r in train], color="tab:blue", label="train loss")
+    if val:
+        loss_ax.plot(
+            minutes(val), [r["val_loss"] for r in val], "o-", color="tab:cyan", label="val loss"
+        )
+    loss_ax.set_xlabel("training time (minutes)")
+    loss_ax.set_ylabel("loss (label-smoothed cross-entropy)")
+    loss_ax.grid(alpha=0.3)
+    handles, labels = loss_ax.get_legend_handles_labels()
+    if bleu:
+        bleu_ax = loss_ax.twinx()
+        bleu_ax.plot(
+            minutes(bleu), [r["val_bleu"] for r in bleu], "s-", color="tab:red", label="val BLEU"
+        )
+        bleu_ax.set_ylabel("validation BLEU (sacreBLEU, greedy)")
+        more_handles, more_labels = bleu_ax.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    loss_ax.legend(handles, labels, loc="center right")
+    loss_ax.set_title(f"{train[-1]['step']:.0f} steps in {train[-1]['elapsed_s'] / 60:.1f} min")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
