@@ -68,7 +68,15 @@ DATA_DEFAULTS = {
     "max_tokens": 4096,
     "max_shapes": 12,
 }
-TRAIN_DEFAULTS = {"epochs": 20, "warmup_steps": 1000}
+TRAIN_DEFAULTS = {
+    "epochs": 9,
+    "warmup_steps": 800,
+    "log_every": 50,
+    "eval_every": 500,
+    "bleu_every": 500,
+    "checkpoint_every": 250,
+    "keep_checkpoints": 5,
+}
 
 
 class UsageError(Exception):
@@ -138,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("training (TrainConfig)")
     length = t.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, help="optimizer updates in total")
-    length.add_argument("--epochs", type=int, help="passes over the training data [20]")
-    t.add_argument("--warmup-steps", type=int, help="learning-rate warmup steps [1000]")
+    length.add_argument("--epochs", type=int, help="passes over the training data [9]")
+    t.add_argument("--warmup-steps", type=int, help="learning-rate warmup steps [800]")
     t.add_argument(
         "--lr-scale", type=float, help="factor on d_model^-0.5 * min(step^-0.5, ...) [1.0]"
     )
@@ -149,18 +157,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--adam-b2", type=float, help="Adam beta2 [0.98]")
     t.add_argument("--adam-eps", type=float, help="Adam epsilon [1e-9]")
     t.add_argument("--seed", type=int, help="initialization, dropout and shuffling seed [0]")
-    t.add_argument("--log-every", type=int, help="steps between metric lines [100]")
-    t.add_argument("--eval-every", type=int, help="steps between validation losses; 0 off [1000]")
+    t.add_argument("--log-every", type=int, help="steps between metric lines [50]")
+    t.add_argument("--eval-every", type=int, help="steps between validation losses; 0 off [500]")
     t.add_argument(
-        "--bleu-every", type=int, help="steps between validation BLEU (greedy); 0 off [5000]"
+        "--bleu-every", type=int, help="steps between validation BLEU (greedy); 0 off [500]"
     )
     t.add_argument("--bleu-max-tokens", type=int, help="tokens per BLEU decoding batch [4096]")
     t.add_argument(
         "--bleu-max-sentences", type=int, help="score only the first N validation lines [all]"
     )
-    t.add_argument("--checkpoint-every", type=int, help="steps between checkpoints [1000]")
+    t.add_argument("--checkpoint-every", type=int, help="steps between checkpoints [250]")
     t.add_argument(
-        "--keep-checkpoints", type=int, help="recent checkpoints kept, plus the best by BLEU [3]"
+        "--keep-checkpoints", type=int, help="recent checkpoints kept, plus the best by BLEU [5]"
     )
 
     o = p.add_argument_group("output and multi-host")
