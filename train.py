@@ -295,18 +295,23 @@ def load_training_data(
         workdir, train, vocab_size=settings["vocab_size"], model_type=settings["tokenizer_type"]
     )
     cache = workdir / "cache"
+
+    def batcher_of(encoded: data.EncodedCorpus, shuffle: bool) -> data.TokenBatcher:
+        return data.TokenBatcher(
+            encoded,
+            max_tokens=settings["max_tokens"],
+            num_devices=jax.local_device_count(),
+            pad_id=tokenizer.pad_id,
+            bos_id=tokenizer.bos_id,
+            seed=seed,
+            shuffle=shuffle,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+            max_shapes=settings["max_shapes"],
+        )
+
     encoded = data.encode_corpus(tokenizer, train, max_len=max_len, cache_dir=cache)
-    batcher = data.TokenBatcher(
-        encoded,
-        max_tokens=settings["max_tokens"],
-        num_devices=jax.local_device_count(),
-        pad_id=tokenizer.pad_id,
-        bos_id=tokenizer.bos_id,
-        seed=seed,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        max_shapes=settings["max_shapes"],
-    )
+    batcher = batcher_of(encoded, shuffle=True)
     summary = [
         f"data: {train.summary}",
         f"data: {encoded}; tokenizer {tokenizer.model_type}, {tokenizer.vocab_size} pieces",
@@ -322,17 +327,7 @@ def load_training_data(
         log(f"warning: no validation: {e}")
         return TrainingData(tokenizer, batcher, None, summary)
     val_encoded = data.encode_corpus(tokenizer, val, max_len=None, cache_dir=cache)
-    val_batcher = data.TokenBatcher(
-        val_encoded,
-        max_tokens=settings["max_tokens"],
-        num_devices=jax.local_device_count(),
-        pad_id=tokenizer.pad_id,
-        bos_id=tokenizer.bos_id,
-        shuffle=False,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        max_shapes=settings["max_shapes"],
-    )
+    val_batcher = batcher_of(val_encoded, shuffle=False)
     val_batches = [val_batcher.batch_at(i) for i in range(val_batcher.batches_per_epoch)]
     references = data.read_lines(val_raw.tgt_path) if val_raw.tgt_path else val_raw.tgt
     summary.append(
