@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Flags left out take the workdir's saved settings when resuming, else the defaults "
             "shown. Exit status: 0 done or interrupted, 1 non-finite loss, 2 bad input."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        # Defaults are written into each help as [value]: a left-out flag takes the
+        # workdir's saved setting when resuming, so argparse's own defaults are all None.
         argument_default=None,
     )
     p.add_argument("--workdir", required=True, help="run directory (created; resumed if present)")
@@ -130,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model (TransformerConfig)")
     m.add_argument("--preset", help=f"base model: tiny, small, base, big [{DEFAULT_PRESET}]")
     for name, (kind, text) in MODEL_FLAGS.items():
-        m.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
+        m.add_argument("--" + name.replace("_", "-"), type=kind, help=f"{text} [from --preset]")
     m.add_argument(
         "--share-embeddings",
         action=argparse.BooleanOptionalAction,
