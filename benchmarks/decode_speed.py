@@ -37,7 +37,7 @@ import data  # noqa: E402
 from data.batching import inference_batches  # noqa: E402
 from transformer import Transformer, TransformerConfig  # noqa: E402
 from transformer.decoding import beam_search, greedy_search  # noqa: E402
-from transformer.translate import _padded_rows, encode_sources, load_run  # noqa: E402
+from transformer.translate import encode_sources, load_run, pad_batch_rows  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -126,8 +126,7 @@ def main() -> int:
     src_ids = [ids for ids in encode_sources(tokenizer, sources) if ids]
     batches = []
     for _, src in inference_batches(src_ids, max_tokens=args.max_tokens, pad_id=tokenizer.pad_id):
-        rows = _padded_rows(len(src))
-        batches.append((len(src), np.concatenate([src, np.repeat(src[:1], rows - len(src), 0)])))
+        batches.append((len(src), pad_batch_rows(src)))
     c = model.config
     print(
         f"data: {args.split}, {len(src_ids)} sentences{' (--limit)' if args.limit else ''}, "

@@ -26,9 +26,20 @@ from transformer.decoding import beam_search, greedy_search
 from transformer.model import Transformer
 
 
-def _padded_rows(n: int) -> int:
-    """Rows a batch of n sentences is padded to: a power of two, so few shapes compile."""
-    return 1 << max(0, n - 1).bit_length()
+def pad_batch_rows(src_bS: np.ndarray) -> np.ndarray:
+    """Pads a batch [b, S] to a power-of-two row count by repeating its first sentence.
+
+    Few batch shapes means few compiled search programs, and the copies finish
+    together with the sentence they repeat, so they add no decoding steps.
+
+    Args:
+      src_bS: int source ids [b, S], b >= 1.
+
+    Returns:
+      [B, S] with B the smallest power of two >= b; rows b.. copy row 0.
+    """
+    rows = 1 << max(0, len(src_bS) - 1).bit_length()
+    return np.concatenate([src_bS, np.repeat(src_bS[:1], rows - len(src_bS), 0)])
 
 
 def translate_ids(
@@ -75,10 +86,7 @@ def translate_ids(
     )
     with tqdm(total=len(todo), desc="decoding", unit="sent", disable=not progress) as bar:
         for indices, src_bS in batches:
-            # Repeat the first sentence to a power-of-two batch: fewer shapes to
-            # compile, and the copies finish with it, so no extra steps.
-            rows = _padded_rows(len(indices))
-            src_BS = np.concatenate([src_bS, np.repeat(src_bS[:1], rows - len(indices), 0)])
+            src_BS = pad_batch_rows(src_bS)
             if greedy:
                 tokens_BL = greedy_search(model, params, src_BS, **search_kw)
             else:
