@@ -71,6 +71,7 @@ DATA_DEFAULTS = {
 TRAIN_DEFAULTS = {
     "epochs": 9,
     "warmup_steps": 800,
+    "cooldown": 0.0,
     "log_every": 50,
     "eval_every": 500,
     "bleu_every": 500,
@@ -151,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup-steps", type=int, help="learning-rate warmup steps [800]")
     t.add_argument(
         "--lr-scale", type=float, help="factor on d_model^-0.5 * min(step^-0.5, ...) [1.0]"
+    )
+    t.add_argument(
+        "--cooldown",
+        type=float,
+        help="fraction of the steps, at the end, where the learning rate falls linearly to 0 "
+        f"[{TRAIN_DEFAULTS['cooldown']}]",
     )
     t.add_argument("--label-smoothing", type=float, help="epsilon_ls [0.1]")
     t.add_argument("--clip-grad-norm", type=float, help="clip the global gradient norm [off]")
@@ -407,6 +414,7 @@ def run(args: argparse.Namespace) -> int:
         log=log,
         progress=not args.no_progress,
         is_main_process=main_process,
+        total_steps=total_steps,
     )
     stop = threading.Event()
     previous_handlers = install_stop_handlers(stop, log)

@@ -60,6 +60,22 @@ def test_learning_rate_schedule_is_the_papers_formula():
     assert int(np.argmax(rates)) * 50 + 1 in range(3950, 4051)  # peak at the end of warmup
 
 
+def test_cooldown_falls_linearly_to_zero_over_the_last_steps():
+    d_model, warmup, total = 256, 100, 1000
+    paper = learning_rate_schedule(d_model, warmup)
+    cooled = learning_rate_schedule(d_model, warmup, total_steps=total, cooldown=0.2)
+    # Unchanged before the last 200 updates, then paper rate x (total - count) / 200.
+    for count in (0, 99, 500, 799, 800):
+        np.testing.assert_allclose(float(cooled(count)), float(paper(count)), rtol=1e-6)
+    for count in (850, 900, 999):
+        expected = float(paper(count)) * (total - count) / 200
+        np.testing.assert_allclose(float(cooled(count)), expected, rtol=1e-5)
+    assert float(cooled(total - 1)) > 0.0  # the last update still moves the weights
+    assert float(cooled(total)) == 0.0
+    with pytest.raises(ValueError, match="total_steps"):
+        learning_rate_schedule(d_model, warmup, cooldown=0.2)
+
+
 def test_optimizer_is_adam_with_the_papers_betas_and_optional_clipping():
     params = {"w": jnp.ones(3)}
     grads = {"w": jnp.array([300.0, 400.0, 0.0])}

@@ -63,6 +63,8 @@ class TrainConfig:
       epochs: passes over the training data (used when `steps` is None).
       warmup_steps: the paper's warmup (4000 for WMT).
       learning_rate_scale: factor on the paper's learning rate.
+      cooldown: fraction of the total steps, at the end, over which the
+        learning rate falls linearly to zero; 0 keeps the paper's schedule.
       label_smoothing: epsilon_ls; the target distribution puts 1 - eps on the
         reference token and eps spread uniformly over the whole vocabulary.
       grad_clip_norm: clip the global gradient norm to this; None disables.
@@ -84,6 +86,7 @@ class TrainConfig:
     epochs: int | None = None
     warmup_steps: int = 4000
     learning_rate_scale: float = 1.0
+    cooldown: float = 0.0
     label_smoothing: float = 0.1
     grad_clip_norm: float | None = None
     adam_b1: float = 0.9
@@ -107,6 +110,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1, got {self.warmup_steps}")
+        if not 0.0 <= self.cooldown <= 1.0:
+            raise ValueError(f"cooldown must be in [0, 1], got {self.cooldown}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         for name in ("log_every", "checkpoint_every", "keep_checkpoints"):
@@ -130,8 +135,15 @@ class TrainConfig:
 # ----------------------------------------------------------------------------- the recipe
 
 
-def learning_rate_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax.Schedule:
-    """The paper's learning rate (section 5.3), as an Optax schedule.
+def learning_rate_schedule(
+    d_model: int,
+    warmup_steps: int,
+    scale: float = 1.0,
+    *,
+    total_steps: int | None = None,
+    cooldown: float = 0.0,
+) -> optax.Schedule:
+    """The paper's learning rate (section 5.3), as an Optax schedule, with an optional cooldown.
 
     lrate = scale * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5): a
     linear rise over `warmup_steps`, then decay with the inverse square root of
@@ -139,35 +151,61 @@ def learning_rate_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) 
     already done (0 for the first), so the schedule evaluates the formula at
     count + 1 and never divides by zero.
 
+    With `cooldown` > 0 the rate is also multiplied by a factor that falls
+    linearly from 1 to 0 over the last `cooldown * total_steps` updates (the
+    last update still gets a small positive rate). A run of fixed length
+    then ends at a low rate instead of the inverse square root's.
+
     Args:
       d_model: the model width.
       warmup_steps: steps of linear warmup.
       scale: a factor on the whole formula.
+      total_steps: updates in the whole run (needed with a cooldown).
+      cooldown: fraction of `total_steps`, at the end, of linear decay to 0.
 
     Returns:
       A function from the update count (0-based) to the learning rate.
     """
+    cooldown_steps = 0
+    if cooldown > 0.0:
+        if total_steps is None or total_steps < 1:
+            raise ValueError(f"a cooldown needs total_steps >= 1, got {total_steps}")
+        cooldown_steps = max(1, round(cooldown * total_steps))
 
     def schedule(count: jax.Array | int) -> jax.Array:
         step = jnp.asarray(count, jnp.float32) + 1.0
-        return (
+        rate = (
             scale * d_model**-0.5 * jnp.minimum(lax.rsqrt(step), step * float(warmup_steps) ** -1.5)
         )
+        if cooldown_steps:
+            remaining = float(total_steps) - jnp.asarray(count, jnp.float32)
+            rate = rate * jnp.clip(remaining / cooldown_steps, 0.0, 1.0)
+        return rate
 
     return schedule
 
 
-def make_optimizer(config: TrainConfig, d_model: int) -> optax.GradientTransformation:
+def make_optimizer(
+    config: TrainConfig, d_model: int, total_steps: int | None = None
+) -> optax.GradientTransformation:
     """Adam with the paper's schedule, after optional global-norm gradient clipping.
 
     Args:
       config: uses the Adam hyperparameters, the schedule and grad_clip_norm.
       d_model: the model width (for the schedule).
+      total_steps: updates in the whole run; needed when `config.cooldown` > 0
+        (defaults to `config.steps`).
 
     Returns:
       The Optax transformation.
     """
-    schedule = learning_rate_schedule(d_model, config.warmup_steps, config.learning_rate_scale)
+    schedule = learning_rate_schedule(
+        d_model,
+        config.warmup_steps,
+        config.learning_rate_scale,
+        total_steps=total_steps or config.steps,
+        cooldown=config.cooldown,
+    )
     adam = optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
     if config.grad_clip_norm is None:
         return adam
@@ -596,6 +634,8 @@ class Trainer:
       log: prints one line (validation results, warnings); defaults to tqdm.write.
       progress: show a tqdm progress bar.
       is_main_process: writes metrics only when True (multi-host runs).
+      total_steps: updates in the whole run, for a learning rate cooldown
+        (defaults to `train_config.steps`).
     """
 
     def __init__(
@@ -608,6 +648,7 @@ class Trainer:
         log: Callable[[str], None] | None = None,
         progress: bool = True,
         is_main_process: bool = True,
+        total_steps: int | None = None,
     ):
         from tqdm.auto import tqdm
 
@@ -619,11 +660,16 @@ class Trainer:
         self.is_main_process = is_main_process
         self._log = log or tqdm.write
         self.model = Transformer(model_config)
+        total_steps = total_steps or train_config.steps
         self.schedule = learning_rate_schedule(
-            model_config.d_model, train_config.warmup_steps, train_config.learning_rate_scale
+            model_config.d_model,
+            train_config.warmup_steps,
+            train_config.learning_rate_scale,
+            total_steps=total_steps,
+            cooldown=train_config.cooldown,
         )
         self.optimizer, self.train_step, self.eval_step = _training_functions(
-            model_config, _recipe(train_config), pad_id
+            model_config, _recipe(train_config, total_steps), pad_id
         )
         self.checkpoints = Checkpoints(
             self.workdir,
@@ -879,12 +925,13 @@ class _StepMetrics:
         self._tokens, self._clock = 0, time.time()
 
 
-def _recipe(config: TrainConfig) -> TrainConfig:
+def _recipe(config: TrainConfig, total_steps: int | None) -> TrainConfig:
     """The fields that the compiled steps depend on (the rest set to defaults)."""
     return TrainConfig(
-        steps=1,
+        steps=total_steps if config.cooldown > 0.0 else 1,
         warmup_steps=config.warmup_steps,
         learning_rate_scale=config.learning_rate_scale,
+        cooldown=config.cooldown,
         label_smoothing=config.label_smoothing,
         grad_clip_norm=config.grad_clip_norm,
         adam_b1=config.adam_b1,
