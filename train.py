@@ -54,7 +54,7 @@ DATA_FIELDS = (
     "max_tokens",
     "max_shapes",
 )
-DEFAULT_PRESET = "small"
+DEFAULT_PRESET = "mini"
 # Multi30k-sized defaults; the paper's WMT recipe used warmup 4000 and 25k-token batches.
 DATA_DEFAULTS = {
     "dataset": "multi30k",
@@ -69,9 +69,9 @@ DATA_DEFAULTS = {
     "max_shapes": 12,
 }
 TRAIN_DEFAULTS = {
-    "epochs": 9,
+    "epochs": 18,
     "warmup_steps": 800,
-    "cooldown": 0.0,
+    "cooldown": 0.2,
     "log_every": 50,
     "eval_every": 500,
     "bleu_every": 500,
@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     m = p.add_argument_group("model (TransformerConfig)")
-    m.add_argument("--preset", help=f"base model: tiny, small, base, big [{DEFAULT_PRESET}]")
+    m.add_argument("--preset", help=f"base model: tiny, mini, small, base, big [{DEFAULT_PRESET}]")
     for name, (kind, text) in MODEL_FLAGS.items():
         m.add_argument("--" + name.replace("_", "-"), type=kind, help=f"{text} [from --preset]")
     m.add_argument(
@@ -148,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("training (TrainConfig)")
     length = t.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, help="optimizer updates in total")
-    length.add_argument("--epochs", type=int, help="passes over the training data [9]")
+    length.add_argument(
+        "--epochs", type=int, help=f"passes over the training data [{TRAIN_DEFAULTS['epochs']}]"
+    )
     t.add_argument("--warmup-steps", type=int, help="learning-rate warmup steps [800]")
     t.add_argument(
         "--lr-scale", type=float, help="factor on d_model^-0.5 * min(step^-0.5, ...) [1.0]"

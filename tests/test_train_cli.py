@@ -125,6 +125,20 @@ def test_damaged_latest_checkpoint_is_reported_and_the_one_before_used(
     _params_equal(restore_params(tmp_path, 12)[0], restore_params(straight_run, 12)[0])
 
 
+def test_cooldown_ends_the_run_at_a_learning_rate_near_zero(slice_dir, tmp_path):
+    extra = ["--steps", "8", "--cooldown", "0.5", "--log-every", "1", "--checkpoint-every", "8"]
+    assert train.main(_flags(slice_dir, tmp_path, *extra)) == 0
+    assert load_run_config(tmp_path)["train"]["cooldown"] == 0.5
+    lr = {r["step"]: r["lr"] for r in read_metrics(tmp_path) if "lr" in r}
+
+    def paper(step):  # --preset tiny (d_model 32), --warmup-steps 10, --lr-scale 0.5
+        return 0.5 * 32**-0.5 * min(step**-0.5, step * 10**-1.5)
+
+    # The paper's rate for steps 1-4, then x 4/4, 3/4, 2/4, 1/4 over the last 4 of 8.
+    expected = [paper(s) * min(1.0, (9 - s) / 4) for s in range(1, 9)]
+    np.testing.assert_allclose([lr[s] for s in range(1, 9)], expected, rtol=1e-5)
+
+
 def test_resuming_with_another_model_config_is_a_one_line_error(straight_run, capsys):
     code = train.main(["--workdir", str(straight_run), "--d-model", "64", "--steps", "20"])
     err = capsys.readouterr().err
