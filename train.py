@@ -1,6 +1,6 @@
 """Trains a Transformer translation model into a workdir, resuming from its latest checkpoint.
 
-  python train.py --workdir runs/multi30k                 # Multi30k en->de, the "small" model
+  python train.py --workdir runs/multi30k                 # Multi30k en->de, the "mini" model
   python train.py --workdir runs/x --dataset files --data-dir DIR --src fr --tgt en
   python train.py --workdir runs/multi30k                 # again: resumes where it stopped
 

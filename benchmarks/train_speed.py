@@ -1,7 +1,7 @@
 """Speed of the training step: tokens/s, model FLOPs, measured peak matmul FLOP/s, utilization.
 
     python benchmarks/train_speed.py                        # default preset and base
-    python benchmarks/train_speed.py --presets small --steps 20
+    python benchmarks/train_speed.py --presets mini,small --steps 20
 
 For each preset it times the pmapped train step (forward, backward, Adam
 update, dropout on) at one fixed batch shape with no padding, so every position
@@ -26,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from train import DEFAULT_PRESET  # noqa: E402
 from transformer import Transformer, TransformerConfig  # noqa: E402
 from transformer.training import (  # noqa: E402
     TrainConfig,
@@ -145,7 +146,11 @@ def default_pipeline_shapes(data_dir: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--presets", default="small,base", help="comma-separated presets")
+    parser.add_argument(
+        "--presets",
+        default=f"{DEFAULT_PRESET},base",
+        help=f"comma-separated presets [train.py's default, {DEFAULT_PRESET}, and base]",
+    )
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--rows", type=int, default=128, help="sentences per step")
     parser.add_argument("--src-len", type=int, default=16)

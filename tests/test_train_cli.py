@@ -43,7 +43,7 @@ def _flags(slice_dir, workdir, *extra):
         "--dataset", "files", "--data-dir", str(slice_dir),
         "--preset", "tiny", "--vocab-size", "400", "--max-len", "64",
         "--max-tokens", "1024", "--max-shapes", "1",
-        "--warmup-steps", "10", "--lr-scale", "0.5",
+        "--warmup-steps", "10", "--lr-scale", "0.5", "--cooldown", "0",
         "--log-every", "4", "--checkpoint-every", "4", "--keep-checkpoints", "3",
         "--eval-every", "0", "--bleu-every", "0", "--no-progress",
         *extra,
