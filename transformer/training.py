@@ -178,34 +178,36 @@ def learning_rate_schedule(
             scale * d_model**-0.5 * jnp.minimum(lax.rsqrt(step), step * float(warmup_steps) ** -1.5)
         )
         if cooldown_steps:
-            remaining = float(total_steps) - jnp.asarray(count, jnp.float32)
+            remaining = total_steps + 1.0 - step  # updates left, this one included
             rate = rate * jnp.clip(remaining / cooldown_steps, 0.0, 1.0)
         return rate
 
     return schedule
 
 
-def make_optimizer(
-    config: TrainConfig, d_model: int, total_steps: int | None = None
-) -> optax.GradientTransformation:
+def _config_schedule(config: TrainConfig, d_model: int) -> optax.Schedule:
+    """The schedule `config` describes; a cooldown ends at `config.steps`."""
+    return learning_rate_schedule(
+        d_model,
+        config.warmup_steps,
+        config.learning_rate_scale,
+        total_steps=config.steps,
+        cooldown=config.cooldown,
+    )
+
+
+def make_optimizer(config: TrainConfig, d_model: int) -> optax.GradientTransformation:
     """Adam with the paper's schedule, after optional global-norm gradient clipping.
 
     Args:
-      config: uses the Adam hyperparameters, the schedule and grad_clip_norm.
+      config: uses the Adam hyperparameters, the schedule (its cooldown needs
+        `config.steps`) and grad_clip_norm.
       d_model: the model width (for the schedule).
-      total_steps: updates in the whole run; needed when `config.cooldown` > 0
-        (defaults to `config.steps`).
 
     Returns:
       The Optax transformation.
     """
-    schedule = learning_rate_schedule(
-        d_model,
-        config.warmup_steps,
-        config.learning_rate_scale,
-        total_steps=total_steps or config.steps,
-        cooldown=config.cooldown,
-    )
+    schedule = _config_schedule(config, d_model)
     adam = optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
     if config.grad_clip_norm is None:
         return adam
@@ -661,15 +663,12 @@ class Trainer:
         self._log = log or tqdm.write
         self.model = Transformer(model_config)
         total_steps = total_steps or train_config.steps
-        self.schedule = learning_rate_schedule(
-            model_config.d_model,
-            train_config.warmup_steps,
-            train_config.learning_rate_scale,
-            total_steps=total_steps,
-            cooldown=train_config.cooldown,
-        )
+        if train_config.cooldown > 0.0 and total_steps is None:
+            raise ValueError("a cooldown needs total_steps (or train_config.steps)")
+        recipe = _recipe(train_config, total_steps)
+        self.schedule = _config_schedule(recipe, model_config.d_model)
         self.optimizer, self.train_step, self.eval_step = _training_functions(
-            model_config, _recipe(train_config, total_steps), pad_id
+            model_config, recipe, pad_id
         )
         self.checkpoints = Checkpoints(
             self.workdir,
