@@ -7,7 +7,9 @@ from workdir/config.json), or any pair of files::
     python evaluate.py --workdir runs/base --src-file my.en --ref-file my.de
 
 BLEU and chrF are computed by sacreBLEU on detokenized, cased output against
-the raw reference file, and printed with their sacreBLEU signatures.
+the raw reference file, and printed with their sacreBLEU signatures. The
+parameters are the average of the run's last 5 checkpoints unless
+--checkpoint or --average-last says otherwise.
 
 Translate standard input (or --input FILE), one line out for each line in::
 
@@ -33,8 +35,11 @@ import numpy as np
 from sacrebleu.metrics import BLEU, CHRF
 
 from data import CorpusSpec, DataError, load_corpus, read_lines
-from transformer.checkpoints import CheckpointError
+from transformer.checkpoints import CheckpointError, checkpoint_steps
 from transformer.translate import Run, detokenize, encode_sources, load_run, translate_ids
+
+# The default parameters: the average of the last 5 checkpoints (README: best on Multi30k val).
+DEFAULT_AVERAGE_LAST = 5
 
 
 class UsageError(Exception):
@@ -63,14 +68,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", help="write the translations here, one per input line")
     model = p.add_argument_group("parameters")
     model.add_argument(
-        "--checkpoint", default="best", help="'best' (validation BLEU), 'last' or a step number"
+        "--checkpoint",
+        default=argparse.SUPPRESS,
+        help="one checkpoint instead of the average: 'best' (validation BLEU), 'last' or a step",
     )
     model.add_argument(
         "--average-last",
         type=int,
-        default=0,
+        default=argparse.SUPPRESS,
         metavar="K",
-        help="average the parameters of the last K checkpoints (overrides --checkpoint)",
+        help=f"average the parameters of the last K checkpoints [{DEFAULT_AVERAGE_LAST}, or all "
+        "the run has if fewer; scored best on Multi30k val, README]",
     )
     search = p.add_argument_group("search")
     search.add_argument("--beam", type=int, default=4, help="beam size")
@@ -97,7 +105,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     plots.add_argument("--plot-dir", default="attention_plots", help="where to write the PNGs")
     plots.add_argument("--plot-heads", action="store_true", help="also a per-head grid per layer")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # Not given = None (kept out of the help's "(default: ...)": the default is averaging).
+    for name in ("checkpoint", "average_last"):
+        setattr(args, name, getattr(args, name, None))
+    return args
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -111,9 +123,13 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("beam", "max_tokens"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.max_extra_len < 0 or args.average_last < 0 or args.plot_attention < 0:
-        raise UsageError("--max-extra-len, --average-last and --plot-attention cannot be negative")
-    if args.checkpoint not in ("best", "last") and not args.checkpoint.isdigit():
+    if args.max_extra_len < 0 or args.plot_attention < 0:
+        raise UsageError("--max-extra-len and --plot-attention cannot be negative")
+    if args.average_last is not None and args.average_last < 1:
+        raise UsageError("--average-last must be at least 1")
+    if args.checkpoint is not None and args.average_last is not None:
+        raise UsageError("give --checkpoint (one checkpoint) or --average-last K, not both")
+    if args.checkpoint not in (None, "best", "last") and not args.checkpoint.isdigit():
         raise UsageError(
             f"--checkpoint must be 'best', 'last' or a step number, not {args.checkpoint!r}"
         )
@@ -228,14 +244,29 @@ def plot_curve(workdir: str, path: str) -> int:
     return 0
 
 
+def _load_run(args: argparse.Namespace) -> Run:
+    """Loads --checkpoint, or the average of the last --average-last K checkpoints.
+
+    Without either: the average of the last DEFAULT_AVERAGE_LAST checkpoints, or
+    of all of them if the run has fewer.
+    """
+    if args.checkpoint is not None:
+        which = int(args.checkpoint) if args.checkpoint.isdigit() else args.checkpoint
+        return load_run(args.workdir, checkpoint=which)
+    if args.average_last is not None:
+        return load_run(args.workdir, average_last=args.average_last)
+    available = len(checkpoint_steps(args.workdir))
+    # With no checkpoint at all, load_run reports what is missing.
+    return load_run(args.workdir, average_last=min(DEFAULT_AVERAGE_LAST, available))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         _check_args(args)
         if args.plot_curve:
             return plot_curve(args.workdir, args.plot_curve)
-        which = int(args.checkpoint) if args.checkpoint.isdigit() else args.checkpoint
-        run = load_run(args.workdir, checkpoint=which, average_last=args.average_last)
+        run = _load_run(args)
         sources, references, name = load_sources_and_references(args, run)
         log = print if not args.translate else lambda *a: print(*a, file=sys.stderr)
         search = "greedy" if args.greedy else f"beam {args.beam}, alpha {args.alpha}"

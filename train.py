@@ -65,17 +65,17 @@ DATA_DEFAULTS = {
     "tgt": "de",
     "vocab_size": 8000,
     "tokenizer_type": "bpe",
-    "max_tokens": 4096,
+    "max_tokens": 2048,
     "max_shapes": 12,
 }
 TRAIN_DEFAULTS = {
     "epochs": 18,
-    "warmup_steps": 800,
+    "warmup_steps": 1600,
     "cooldown": 0.2,
     "log_every": 50,
-    "eval_every": 500,
-    "bleu_every": 500,
-    "checkpoint_every": 250,
+    "eval_every": 1000,
+    "bleu_every": 1000,
+    "checkpoint_every": 500,
     "keep_checkpoints": 5,
 }
 
@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--max-tokens",
         type=int,
-        help="padded source+target tokens per global step, all devices together [4096]",
+        help="padded source+target tokens per global step, all devices together "
+        f"[{DATA_DEFAULTS['max_tokens']}]",
     )
     d.add_argument(
         "--max-shapes",
@@ -151,7 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     length.add_argument(
         "--epochs", type=int, help=f"passes over the training data [{TRAIN_DEFAULTS['epochs']}]"
     )
-    t.add_argument("--warmup-steps", type=int, help="learning-rate warmup steps [800]")
+    t.add_argument(
+        "--warmup-steps",
+        type=int,
+        help=f"learning-rate warmup steps [{TRAIN_DEFAULTS['warmup_steps']}]",
+    )
     t.add_argument(
         "--lr-scale", type=float, help="factor on d_model^-0.5 * min(step^-0.5, ...) [1.0]"
     )
@@ -168,15 +173,25 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--adam-eps", type=float, help="Adam epsilon [1e-9]")
     t.add_argument("--seed", type=int, help="initialization, dropout and shuffling seed [0]")
     t.add_argument("--log-every", type=int, help="steps between metric lines [50]")
-    t.add_argument("--eval-every", type=int, help="steps between validation losses; 0 off [500]")
     t.add_argument(
-        "--bleu-every", type=int, help="steps between validation BLEU (greedy); 0 off [500]"
+        "--eval-every",
+        type=int,
+        help=f"steps between validation losses; 0 off [{TRAIN_DEFAULTS['eval_every']}]",
+    )
+    t.add_argument(
+        "--bleu-every",
+        type=int,
+        help=f"steps between validation BLEU (greedy); 0 off [{TRAIN_DEFAULTS['bleu_every']}]",
     )
     t.add_argument("--bleu-max-tokens", type=int, help="tokens per BLEU decoding batch [4096]")
     t.add_argument(
         "--bleu-max-sentences", type=int, help="score only the first N validation lines [all]"
     )
-    t.add_argument("--checkpoint-every", type=int, help="steps between checkpoints [250]")
+    t.add_argument(
+        "--checkpoint-every",
+        type=int,
+        help=f"steps between checkpoints [{TRAIN_DEFAULTS['checkpoint_every']}]",
+    )
     t.add_argument(
         "--keep-checkpoints", type=int, help="recent checkpoints kept, plus the best by BLEU [5]"
     )

@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train import DEFAULT_PRESET  # noqa: E402
+from train import DATA_DEFAULTS, DEFAULT_PRESET  # noqa: E402
 from transformer import Transformer, TransformerConfig  # noqa: E402
 from transformer.training import (  # noqa: E402
     TrainConfig,
@@ -133,7 +133,7 @@ def default_pipeline_shapes(data_dir: Path) -> str:
         encoded = data.encode_corpus(tokenizer, train, max_len=data.DEFAULT_MAX_LEN, cache_dir=tmp)
     batcher = data.TokenBatcher(
         encoded,
-        max_tokens=4096,
+        max_tokens=DATA_DEFAULTS["max_tokens"],
         num_devices=jax.local_device_count(),
         pad_id=tokenizer.pad_id,
         bos_id=tokenizer.bos_id,
@@ -152,7 +152,12 @@ def main() -> None:
         help=f"comma-separated presets [train.py's default, {DEFAULT_PRESET}, and base]",
     )
     parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--rows", type=int, default=128, help="sentences per step")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=64,
+        help="sentences per step [64: 64 x (16 + 16) tokens is train.py's default batch budget]",
+    )
     parser.add_argument("--src-len", type=int, default=16)
     parser.add_argument("--tgt-len", type=int, default=16)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per preset")

@@ -61,7 +61,8 @@ def test_printed_scores_equal_the_sacrebleu_command(workdir, tmp_path, capsys):
         ["--workdir", workdir, "--split", "test2016", "--output", hyp, *FAST], capsys
     )
     assert code == 0, err
-    assert "step 400 (best)" in err  # no step was scored: the newest
+    # By default the average of the last 5 checkpoints, here all 3 the run has.
+    assert "average of steps 200, 300, 400;" in err
     hypotheses = hyp.read_text(encoding="utf-8").split("\n")[:-1]
     assert len(hypotheses) == N_TEST and len(set(hypotheses)) > 1
     assert "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:" in out
@@ -115,8 +116,13 @@ def test_average_last_and_src_file(workdir, tmp_path, capsys):
         capsys,
     )
     assert code == 0, err
-    assert "average of steps 300, 400" in err
+    assert "average of steps 300, 400;" in err
     assert "BLEU" not in out  # nothing to score without --ref-file
+    code, _, err = _run(
+        ["--workdir", workdir, "--src-file", src, "--checkpoint", "best", "--greedy", *FAST[2:]],
+        capsys,
+    )
+    assert code == 0 and "step 400 (best);" in err  # no step was scored: the newest
 
 
 def test_attention_plots_are_png_files(workdir, tmp_path, capsys):
@@ -172,8 +178,31 @@ def test_training_curve_is_drawn_from_metrics(workdir, tmp_path, capsys):
             ["--workdir", "{workdir}", "--split", "val", "--average-last", "4"],
             "has 3 (200, 300, 400)",
         ),
+        (
+            [
+                "--workdir",
+                "{workdir}",
+                "--split",
+                "val",
+                "--average-last",
+                "2",
+                "--checkpoint",
+                "7",
+            ],
+            "not both",
+        ),
+        (["--workdir", "{workdir}", "--split", "val", "--average-last", "0"], "at least 1"),
     ],
-    ids=["missing-workdir", "unknown-split", "missing-step", "line-mismatch", "two-modes", "avg"],
+    ids=[
+        "missing-workdir",
+        "unknown-split",
+        "missing-step",
+        "line-mismatch",
+        "two-modes",
+        "avg",
+        "avg-and-checkpoint",
+        "avg-0",
+    ],
 )
 def test_user_errors_are_one_line_and_exit_2(argv, message, workdir, tmp_path, capsys):
     src, ref = tmp_path / "src.en", tmp_path / "ref.de"
