@@ -172,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--adam-b2", type=float, help="Adam beta2 [0.98]")
     t.add_argument("--adam-eps", type=float, help="Adam epsilon [1e-9]")
     t.add_argument("--seed", type=int, help="initialization, dropout and shuffling seed [0]")
-    t.add_argument("--log-every", type=int, help="steps between metric lines [50]")
+    t.add_argument(
+        "--log-every", type=int, help=f"steps between metric lines [{TRAIN_DEFAULTS['log_every']}]"
+    )
     t.add_argument(
         "--eval-every",
         type=int,
@@ -193,7 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"steps between checkpoints [{TRAIN_DEFAULTS['checkpoint_every']}]",
     )
     t.add_argument(
-        "--keep-checkpoints", type=int, help="recent checkpoints kept, plus the best by BLEU [5]"
+        "--keep-checkpoints",
+        type=int,
+        help="recent checkpoints kept, plus the best by BLEU "
+        f"[{TRAIN_DEFAULTS['keep_checkpoints']}]",
     )
 
     o = p.add_argument_group("output and multi-host")

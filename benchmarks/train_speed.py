@@ -155,8 +155,7 @@ def main() -> None:
     parser.add_argument(
         "--rows",
         type=int,
-        default=64,
-        help="sentences per step [64: 64 x (16 + 16) tokens is train.py's default batch budget]",
+        help="sentences per step [as many as train.py's default token budget holds]",
     )
     parser.add_argument("--src-len", type=int, default=16)
     parser.add_argument("--tgt-len", type=int, default=16)
@@ -164,6 +163,8 @@ def main() -> None:
     parser.add_argument("--matmul-size", type=int, default=2048)
     parser.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data" / "multi30k"))
     args = parser.parse_args()
+    if args.rows is None:  # 2048 // (16 + 16) = 64 with the defaults
+        args.rows = DATA_DEFAULTS["max_tokens"] // (args.src_len + args.tgt_len)
 
     devices = jax.local_devices()
     print(f"devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()})")
