@@ -85,16 +85,19 @@ def peak_matmul_flops(size: int, repeats: int) -> float:
     return n * 2.0 * size**3 / best
 
 
-def time_train_step(
-    cfg: TransformerConfig, rows: int, src_len: int, tgt_len: int, steps: int
-) -> tuple[float, float]:
-    """Compiles and times the train step at one shape.
+def default_rows(src_len: int, tgt_len: int) -> int:
+    """Sentences per step that train.py's default token budget holds at these lengths."""
+    return DATA_DEFAULTS["max_tokens"] // (src_len + tgt_len)
+
+
+def make_step_inputs(cfg: TransformerConfig, rows: int, src_len: int, tgt_len: int):
+    """The pmapped train step, a replicated fresh state and one batch without padding.
 
     Returns:
-      (seconds of the first call, compile included; median seconds per later step).
+      (step, state, batch), ready for `state, metrics = step(state, batch)`.
     """
     model = Transformer(cfg)
-    recipe = TrainConfig(steps=steps, warmup_steps=1000)
+    recipe = TrainConfig(steps=1000, warmup_steps=1000)
     optimizer = make_optimizer(recipe, cfg.d_model)
     state = replicate(create_train_state(model, optimizer, seed=0))
     step = make_train_step(model, optimizer, label_smoothing=0.1, pad_id=cfg.pad_id)
@@ -105,6 +108,18 @@ def time_train_step(
         return rng.integers(4, cfg.vocab_size, (n, rows // n, length), dtype=np.int32)
 
     batch = {"src": tokens(src_len), "tgt_in": tokens(tgt_len), "tgt_out": tokens(tgt_len)}
+    return step, state, batch
+
+
+def time_train_step(
+    cfg: TransformerConfig, rows: int, src_len: int, tgt_len: int, steps: int
+) -> tuple[float, float]:
+    """Compiles and times the train step at one shape.
+
+    Returns:
+      (seconds of the first call, compile included; median seconds per later step).
+    """
+    step, state, batch = make_step_inputs(cfg, rows, src_len, tgt_len)
     start = time.perf_counter()
     state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
@@ -164,7 +179,7 @@ def main() -> None:
     parser.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data" / "multi30k"))
     args = parser.parse_args()
     if args.rows is None:  # 2048 // (16 + 16) = 64 with the defaults
-        args.rows = DATA_DEFAULTS["max_tokens"] // (args.src_len + args.tgt_len)
+        args.rows = default_rows(args.src_len, args.tgt_len)
 
     devices = jax.local_devices()
     print(f"devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()})")

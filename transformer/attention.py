@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from transformer.config import TransformerConfig
+from transformer.dropout import dropout
 
 
 def scaled_dot_product_attention(
@@ -50,8 +51,7 @@ def scaled_dot_product_attention(
         weights_BHQK = jnp.where(mask, weights_BHQK, 0.0)
     attended_BHQK = weights_BHQK
     if dropout_rng is not None and dropout_rate > 0.0:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights_BHQK.shape)
-        attended_BHQK = jnp.where(keep, weights_BHQK / (1.0 - dropout_rate), 0.0)
+        attended_BHQK = dropout(weights_BHQK, dropout_rate, dropout_rng)
     out_BQHD = jnp.einsum("bhqk,bkhd->bqhd", attended_BHQK.astype(v_BKHD.dtype), v_BKHD)
     return out_BQHD, weights_BHQK
 

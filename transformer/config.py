@@ -72,7 +72,8 @@ class TransformerConfig:
       d_ff: inner width of the position-wise feed-forward network.
       num_encoder_layers: N for the encoder stack.
       num_decoder_layers: N for the decoder stack.
-      dropout_rate: P_drop on sub-layer outputs and on embeddings + positions.
+      dropout_rate: P_drop on sub-layer outputs and on embeddings + positions
+        (applied rounded to a multiple of 1/256: see transformer/dropout.py).
       attention_dropout_rate: dropout on the attention weights (0 in the paper).
       max_len: longest sequence (in tokens) the model is meant for; the data
         pipeline drops longer training pairs. Positional encodings are computed

@@ -11,6 +11,7 @@ from flax import linen as nn
 
 from transformer.attention import MultiHeadAttention
 from transformer.config import TransformerConfig
+from transformer.dropout import Dropout
 
 
 def _positional_encoding_at(positions_L: jax.Array, d_model: int) -> jax.Array:
@@ -88,7 +89,7 @@ class _SublayerConnection(nn.Module):
     @nn.compact
     def __call__(self, x_BLD: jax.Array, sublayer: Callable[[jax.Array], jax.Array], train: bool):
         norm = nn.LayerNorm(epsilon=1e-6, dtype=self.config.compute_dtype, name="norm")
-        dropout = nn.Dropout(self.config.dropout_rate, deterministic=not train)
+        dropout = Dropout(self.config.dropout_rate, deterministic=not train)
         if self.config.pre_layer_norm:
             return x_BLD + dropout(sublayer(norm(x_BLD)))
         return norm(x_BLD + dropout(sublayer(x_BLD)))
@@ -186,7 +187,7 @@ class _Embedding(nn.Module):
         cfg = self.config
         x_BLD = self.embed(tokens_BL) * jnp.sqrt(jnp.float32(cfg.d_model)).astype(cfg.compute_dtype)
         x_BLD = x_BLD + _positional_encoding_at(positions_L, cfg.d_model)[None].astype(x_BLD.dtype)
-        return nn.Dropout(cfg.dropout_rate, deterministic=not train)(x_BLD)
+        return Dropout(cfg.dropout_rate, deterministic=not train)(x_BLD)
 
 
 class Encoder(nn.Module):

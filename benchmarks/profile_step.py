@@ -1,0 +1,104 @@
+"""Where the training step's time goes: XLA ops of the compiled step, summed by kind.
+
+    python benchmarks/profile_step.py                  # default preset, train_speed's shape
+    python benchmarks/profile_step.py --preset base --top 30
+
+Traces a few steps of the pmapped train step (the shape and preset of
+`benchmarks/train_speed.py`) with `jax.profiler`, reads the Perfetto trace it
+writes, and sums the duration of every XLA op event per op name. It prints the
+total per step of matmul ops (XLA:CPU runs them as library calls: names with
+"dot", "matmul", "gemm" or "ynn") against all other ops, then the slowest ops.
+Op durations on different cores overlap, so the sums can exceed wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.train_speed import default_rows, make_step_inputs  # noqa: E402
+from transformer import TransformerConfig  # noqa: E402
+
+_MATMUL_MARKERS = ("dot", "matmul", "gemm", "ynn", "convolution")
+# Trace events that are not XLA ops: the Python/runtime scaffolding around them.
+_SKIP_PREFIXES = ("$", "PjitFunction", "PmapFunction", "ThunkExecutor", "Execute", "Thunk")
+
+
+def op_durations(trace_dir: Path) -> dict[str, float]:
+    """Sums complete ("X") events of the Perfetto trace under `trace_dir` per name (microseconds)."""
+    paths = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
+    if not paths:
+        raise SystemExit(f"error: jax.profiler wrote no perfetto_trace.json.gz under {trace_dir}")
+    with gzip.open(paths[-1], "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    totals: dict[str, float] = collections.defaultdict(float)
+    for event in events:
+        name = event.get("name", "")
+        if event.get("ph") == "X" and not name.startswith(_SKIP_PREFIXES):
+            totals[name] += float(event.get("dur", 0.0))
+    return totals
+
+
+def is_matmul(name: str) -> bool:
+    """Whether an op name is a matrix multiply (or a fusion built around one)."""
+    lowered = name.lower()
+    return any(marker in lowered for marker in _MATMUL_MARKERS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default=None, help="model preset [train.py's default]")
+    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--rows", type=int, help="sentences per step [as train_speed.py]")
+    parser.add_argument("--src-len", type=int, default=16)
+    parser.add_argument("--tgt-len", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=5, help="traced steps")
+    parser.add_argument("--top", type=int, default=20, help="slowest ops to list")
+    args = parser.parse_args()
+    from train import DEFAULT_PRESET
+
+    preset = args.preset or DEFAULT_PRESET
+    rows = args.rows or default_rows(args.src_len, args.tgt_len)
+    cfg = TransformerConfig.preset(preset, vocab_size=args.vocab_size)
+    step, state, batch = make_step_inputs(cfg, rows, args.src_len, args.tgt_len)
+    for _ in range(3):  # compile and warm up outside the trace
+        state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+        for _ in range(args.steps):
+            state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        jax.profiler.stop_trace()
+        totals = op_durations(Path(tmp))
+
+    per_step_ms = {name: us / 1e3 / args.steps for name, us in totals.items()}
+    matmul = sum(ms for name, ms in per_step_ms.items() if is_matmul(name))
+    other = sum(ms for name, ms in per_step_ms.items() if not is_matmul(name))
+    print(
+        f"{preset}: {rows} x ({args.src_len} src + {args.tgt_len} tgt) tokens, "
+        f"{jax.local_device_count()} device(s), {args.steps} traced steps"
+    )
+    print(f"op time per step: matmul {matmul:.1f} ms, other {other:.1f} ms "
+          f"(matmul share {matmul / max(matmul + other, 1e-9):.1%})")
+    print(f"slowest {args.top} ops (ms per step):")
+    ranked = sorted(per_step_ms.items(), key=lambda item: -item[1])[: args.top]
+    width = max((len(name) for name, _ in ranked), default=0)
+    for name, ms in ranked:
+        kind = "matmul" if is_matmul(name) else "other"
+        print(f"  {name:<{width}}  {ms:8.2f}  {kind}")
+
+
+if __name__ == "__main__":
+    main()

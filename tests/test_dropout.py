@@ -1,0 +1,45 @@
+"""The byte-threshold dropout: its rate, its scaling, and its determinism per key."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer.dropout import Dropout, dropout, quantized_rate
+
+
+def test_drops_the_quantized_rate_and_keeps_the_expectation():
+    x = jnp.ones((1000, 1000), jnp.float32)
+    y = np.asarray(dropout(x, 0.1, jax.random.key(0)))
+    assert quantized_rate(0.1) == 26 / 256
+    # 1e6 Bernoulli draws: the standard error of the fraction is 3e-4.
+    assert abs(np.mean(y == 0.0) - 26 / 256) < 2e-3
+    np.testing.assert_allclose(np.unique(y), [0.0, 256 / 230], rtol=1e-6)
+    assert abs(y.mean() - 1.0) < 3e-3
+
+
+def test_odd_sizes_and_dtypes_keep_their_shape_and_dtype():
+    x = jnp.ones((3, 5, 7), jnp.bfloat16)
+    y = dropout(x, 0.5, jax.random.key(1))
+    assert y.shape == x.shape and y.dtype == jnp.bfloat16
+    assert 0 < int(jnp.sum(y == 0)) < x.size
+
+
+def test_masks_follow_the_key():
+    x = jnp.ones((64, 128))
+    a = dropout(x, 0.1, jax.random.key(0))
+    np.testing.assert_array_equal(a, dropout(x, 0.1, jax.random.key(0)))
+    assert not np.array_equal(a, dropout(x, 0.1, jax.random.key(1)))
+
+
+def test_module_is_identity_when_deterministic_or_rate_rounds_to_zero():
+    x = jnp.arange(12.0).reshape(3, 4)
+    rngs = {"dropout": jax.random.key(0)}
+    assert Dropout(0.5, deterministic=True).apply({}, x, rngs=rngs) is x
+    assert Dropout(0.001).apply({}, x, rngs=rngs) is x  # 0.256 of a level rounds to 0
+    assert np.any(np.asarray(Dropout(0.5).apply({}, x, rngs=rngs)) == 0.0)
+
+
+def test_rejects_a_rate_outside_0_1():
+    with pytest.raises(ValueError, match=r"dropout rate must be in \[0, 1\), got 1.0"):
+        dropout(jnp.ones(4), 1.0, jax.random.key(0))

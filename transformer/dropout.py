@@ -1,0 +1,65 @@
+"""Dropout with one random byte per element: four masks' worth of randomness per 32-bit draw.
+
+`flax.linen.Dropout` draws a 32-bit threefry word per element (jax.random.bernoulli),
+and on a CPU that hashing is the largest single cost of the training step after
+the matmuls: drawing the 2.9M elements of the `mini` preset's 22 dropout masks at
+64 x 16 tokens took 38 ms with jax.random.bits (any dtype) on this project's 2-core
+machine, and 4 ms as a quarter as many 32-bit words cut into bytes. So the keep decision here
+compares one random byte with a threshold. The price is that the rate is
+rounded to a multiple of 1/256 (0.1 becomes 26/256 = 0.1016); the kept values
+are scaled by 1 / (1 - that rounded rate), so the expectation is exact.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+_LEVELS = 256  # one byte per element
+
+
+def quantized_rate(rate: float) -> float:
+    """The dropout rate actually applied: `rate` rounded to a multiple of 1/256."""
+    return round(rate * _LEVELS) / _LEVELS
+
+
+def dropout(x: jax.Array, rate: float, rng: jax.Array) -> jax.Array:
+    """Zeroes each element of `x` with probability `quantized_rate(rate)`, scales the rest.
+
+    Args:
+      x: any array.
+      rate: drop probability in [0, 1).
+      rng: a PRNG key.
+
+    Returns:
+      An array like `x`.
+    """
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
+    threshold = round(rate * _LEVELS)
+    if threshold == 0:
+        return x
+    words = jax.random.bits(rng, (-(-x.size // 4),), jnp.uint32)
+    bytes_ = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)[: x.size]
+    keep = bytes_.reshape(x.shape) >= threshold
+    scale = jnp.asarray(_LEVELS / (_LEVELS - threshold), x.dtype)
+    return jnp.where(keep, x * scale, jnp.zeros((), x.dtype))
+
+
+class Dropout(nn.Module):
+    """`flax.linen.Dropout`'s interface (rate, deterministic; the "dropout" RNG) over `dropout`.
+
+    Attributes:
+      rate: drop probability (rounded to a multiple of 1/256).
+      deterministic: True passes the input through unchanged.
+    """
+
+    rate: float
+    deterministic: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.deterministic or quantized_rate(self.rate) == 0.0:
+            return x
+        return dropout(x, self.rate, self.make_rng("dropout"))
