@@ -7,7 +7,8 @@ Traces a few steps of the pmapped train step (the shape and preset of
 `benchmarks/train_speed.py`) with `jax.profiler`, reads the Perfetto trace it
 writes, and sums the duration of every XLA op event per op name. It prints the
 total per step of matmul ops (XLA:CPU runs them as library calls: names with
-"dot", "matmul", "gemm" or "ynn") against all other ops, then the slowest ops.
+"dot", "matmul", "gemm" or "ynn") against all other ops, then the time and count
+of each kind of op (the name without its number), then the slowest single ops.
 Op durations on different cores overlap, so the sums can exceed wall time.
 """
 
@@ -17,6 +18,7 @@ import argparse
 import collections
 import gzip
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -30,11 +32,22 @@ from transformer import TransformerConfig  # noqa: E402
 
 _MATMUL_MARKERS = ("dot", "matmul", "gemm", "ynn", "convolution")
 # Trace events that are not XLA ops: the Python/runtime scaffolding around them.
-_SKIP_PREFIXES = ("$", "PjitFunction", "PmapFunction", "ThunkExecutor", "Execute", "Thunk")
+_SKIP_PREFIXES = (
+    "$",
+    "end:",
+    "PjitFunction",
+    "PmapFunction",
+    "ThunkExecutor",
+    "Execute",
+    "Thunk",
+    "SlinkyThreadPool",
+    "PythonRefManager",
+    "CommonPjRt",
+)
 
 
-def op_durations(trace_dir: Path) -> dict[str, float]:
-    """Sums complete ("X") events of the Perfetto trace under `trace_dir` per name (microseconds)."""
+def op_durations(trace_dir: Path) -> tuple[dict[str, float], dict[str, int]]:
+    """The trace's complete ("X") op events under `trace_dir`: (microseconds, count) per name."""
     paths = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
     if not paths:
         raise SystemExit(f"error: jax.profiler wrote no perfetto_trace.json.gz under {trace_dir}")
@@ -42,11 +55,13 @@ def op_durations(trace_dir: Path) -> dict[str, float]:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     totals: dict[str, float] = collections.defaultdict(float)
+    counts: dict[str, int] = collections.Counter()
     for event in events:
         name = event.get("name", "")
         if event.get("ph") == "X" and not name.startswith(_SKIP_PREFIXES):
             totals[name] += float(event.get("dur", 0.0))
-    return totals
+            counts[name] += 1
+    return totals, counts
 
 
 def is_matmul(name: str) -> bool:
@@ -81,17 +96,28 @@ def main() -> None:
             state, metrics = step(state, batch)
         jax.block_until_ready(metrics)
         jax.profiler.stop_trace()
-        totals = op_durations(Path(tmp))
+        totals, counts = op_durations(Path(tmp))
 
     per_step_ms = {name: us / 1e3 / args.steps for name, us in totals.items()}
+    by_kind_ms: dict[str, float] = collections.defaultdict(float)
+    by_kind_count: dict[str, int] = collections.Counter()
+    for name, ms in per_step_ms.items():
+        kind = re.sub(r"\.\d+$", "", name)  # "ynn_fusion.374" -> "ynn_fusion"
+        by_kind_ms[kind] += ms
+        by_kind_count[kind] += counts[name]
     matmul = sum(ms for name, ms in per_step_ms.items() if is_matmul(name))
     other = sum(ms for name, ms in per_step_ms.items() if not is_matmul(name))
     print(
         f"{preset}: {rows} x ({args.src_len} src + {args.tgt_len} tgt) tokens, "
         f"{jax.local_device_count()} device(s), {args.steps} traced steps"
     )
-    print(f"op time per step: matmul {matmul:.1f} ms, other {other:.1f} ms "
-          f"(matmul share {matmul / max(matmul + other, 1e-9):.1%})")
+    print(
+        f"op time per step: matmul {matmul:.1f} ms, other {other:.1f} ms "
+        f"(matmul share {matmul / max(matmul + other, 1e-9):.1%})"
+    )
+    print(f"op kinds by time (ms per step, ops per step), the first {args.top}:")
+    for kind, ms in sorted(by_kind_ms.items(), key=lambda item: -item[1])[: args.top]:
+        print(f"  {kind:<40}  {ms:8.2f}  {by_kind_count[kind] / args.steps:6.0f}")
     print(f"slowest {args.top} ops (ms per step):")
     ranked = sorted(per_step_ms.items(), key=lambda item: -item[1])[: args.top]
     width = max((len(name) for name, _ in ranked), default=0)
