@@ -7,7 +7,7 @@ Traces a few steps of the pmapped train step (the shape and preset of
 `benchmarks/train_speed.py`) with `jax.profiler`, reads the Perfetto trace it
 writes, and sums the duration of every XLA op event per op name. It prints the
 total per step of matmul ops (XLA:CPU runs them as library calls: names with
-"dot", "matmul", "gemm" or "ynn") against all other ops, then the time and count
+"dot", "matmul", "gemm", "ynn" or "convolution") against all other ops, then the time and count
 of each kind of op (the name without its number), then the slowest single ops.
 Op durations on different cores overlap, so the sums can exceed wall time.
 """
@@ -28,6 +28,7 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.train_speed import default_rows, make_step_inputs  # noqa: E402
+from train import DEFAULT_PRESET  # noqa: E402
 from transformer import TransformerConfig  # noqa: E402
 
 _MATMUL_MARKERS = ("dot", "matmul", "gemm", "ynn", "convolution")
@@ -37,7 +38,6 @@ _SKIP_PREFIXES = (
     "end:",
     "PjitFunction",
     "PmapFunction",
-    "ThunkExecutor",
     "Execute",
     "Thunk",
     "SlinkyThreadPool",
@@ -80,8 +80,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="traced steps")
     parser.add_argument("--top", type=int, default=20, help="slowest ops to list")
     args = parser.parse_args()
-    from train import DEFAULT_PRESET
-
     preset = args.preset or DEFAULT_PRESET
     rows = args.rows or default_rows(args.src_len, args.tgt_len)
     cfg = TransformerConfig.preset(preset, vocab_size=args.vocab_size)

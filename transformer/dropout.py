@@ -1,4 +1,4 @@
-"""Dropout with one random byte per element: four masks' worth of randomness per 32-bit draw.
+"""Dropout with one random byte per element: one 32-bit random draw serves four elements.
 
 `flax.linen.Dropout` draws a 32-bit threefry word per element (jax.random.bernoulli),
 and on a CPU that hashing is the largest single cost of the training step after
@@ -19,9 +19,14 @@ from flax import linen as nn
 _LEVELS = 256  # one byte per element
 
 
+def _threshold(rate: float) -> int:
+    """Bytes below this are dropped: `rate` in units of 1/256, rounded."""
+    return round(rate * _LEVELS)
+
+
 def quantized_rate(rate: float) -> float:
     """The dropout rate actually applied: `rate` rounded to a multiple of 1/256."""
-    return round(rate * _LEVELS) / _LEVELS
+    return _threshold(rate) / _LEVELS
 
 
 def dropout(x: jax.Array, rate: float, rng: jax.Array) -> jax.Array:
@@ -37,7 +42,7 @@ def dropout(x: jax.Array, rate: float, rng: jax.Array) -> jax.Array:
     """
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
-    threshold = round(rate * _LEVELS)
+    threshold = _threshold(rate)
     if threshold == 0:
         return x
     words = jax.random.bits(rng, (-(-x.size // 4),), jnp.uint32)
