@@ -36,6 +36,7 @@ from sacrebleu.metrics import BLEU, CHRF
 
 from data import CorpusSpec, DataError, load_corpus, read_lines
 from transformer.checkpoints import CheckpointError, checkpoint_steps
+from transformer.host_memory import keep_freed_host_memory
 from transformer.translate import Run, detokenize, encode_sources, load_run, translate_ids
 
 # The default parameters: the average of the last 5 checkpoints (README: best on Multi30k val).
@@ -262,6 +263,7 @@ def _load_run(args: argparse.Namespace) -> Run:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    keep_freed_host_memory()  # before the first computation starts XLA's threads
     try:
         _check_args(args)
         if args.plot_curve:

@@ -65,17 +65,17 @@ DATA_DEFAULTS = {
     "tgt": "de",
     "vocab_size": 8000,
     "tokenizer_type": "bpe",
-    "max_tokens": 2048,
+    "max_tokens": 1024,
     "max_shapes": 12,
 }
 TRAIN_DEFAULTS = {
     "epochs": 21,
-    "warmup_steps": 1600,
+    "warmup_steps": 3200,
     "cooldown": 0.2,
     "log_every": 50,
-    "eval_every": 1000,
-    "bleu_every": 1000,
-    "checkpoint_every": 500,
+    "eval_every": 2000,
+    "bleu_every": 2000,
+    "checkpoint_every": 1000,
     "keep_checkpoints": 5,
 }
 
@@ -492,8 +492,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from data import DataError
     from transformer.checkpoints import CheckpointError
+    from transformer.host_memory import keep_freed_host_memory
     from transformer.training import NonFiniteLossError
 
+    keep_freed_host_memory()  # before the first computation starts XLA's threads
     try:
         return run(args)
     except (DataError, CheckpointError, UsageError) as e:

@@ -37,6 +37,7 @@ import data  # noqa: E402
 from data.batching import inference_batches  # noqa: E402
 from transformer import Transformer, TransformerConfig  # noqa: E402
 from transformer.decoding import beam_search, greedy_search  # noqa: E402
+from transformer.host_memory import keep_freed_host_memory  # noqa: E402
 from transformer.translate import encode_sources, load_run, pad_batch_rows  # noqa: E402
 
 
@@ -100,6 +101,7 @@ def benchmark(model, params, tokenizer, batches, *, beam: int | None, use_cache:
 
 def main() -> int:
     args = parse_args()
+    keep_freed_host_memory()  # before the first computation starts XLA's threads
     if args.workdir:
         run = load_run(args.workdir)
         model, params, tokenizer = run.model, run.params, run.tokenizer

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.train_speed import default_rows, make_step_inputs  # noqa: E402
 from train import DEFAULT_PRESET  # noqa: E402
 from transformer import TransformerConfig  # noqa: E402
+from transformer.host_memory import keep_freed_host_memory  # noqa: E402
 
 _MATMUL_MARKERS = ("dot", "matmul", "gemm", "ynn", "convolution")
 # Trace events that are not XLA ops: the Python/runtime scaffolding around them.
@@ -80,6 +81,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="traced steps")
     parser.add_argument("--top", type=int, default=20, help="slowest ops to list")
     args = parser.parse_args()
+    keep_freed_host_memory()  # before the first computation starts XLA's threads
     preset = args.preset or DEFAULT_PRESET
     rows = args.rows or default_rows(args.src_len, args.tgt_len)
     cfg = TransformerConfig.preset(preset, vocab_size=args.vocab_size)

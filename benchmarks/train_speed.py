@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from train import DATA_DEFAULTS, DEFAULT_PRESET  # noqa: E402
 from transformer import Transformer, TransformerConfig  # noqa: E402
+from transformer.host_memory import keep_freed_host_memory  # noqa: E402
 from transformer.training import (  # noqa: E402
     TrainConfig,
     create_train_state,
@@ -178,6 +179,7 @@ def main() -> None:
     parser.add_argument("--matmul-size", type=int, default=2048)
     parser.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data" / "multi30k"))
     args = parser.parse_args()
+    keep_freed_host_memory()  # before the first computation starts XLA's threads
     if args.rows is None:  # 2048 // (16 + 16) = 64 with the defaults
         args.rows = default_rows(args.src_len, args.tgt_len)
 

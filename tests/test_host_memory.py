@@ -1,0 +1,67 @@
+"""keep_freed_host_memory: XLA's per-call scratch memory stops being page-faulted in again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from transformer.host_memory import keep_freed_host_memory
+
+REPO = Path(__file__).resolve().parents[1]
+glibc = pytest.mark.skipif(
+    "CS_GNU_LIBC_VERSION" not in getattr(os, "confstr_names", {}), reason="needs glibc"
+)
+
+# A jitted function whose scratch (3000 x 3000 float32 intermediates, 36 MB each) is far
+# above glibc's per-thread heap; prints the minor page faults of 10 calls after a warm-up.
+SCRIPT = """
+import resource, sys
+from transformer.host_memory import keep_freed_host_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_host_memory()
+import jax, jax.numpy as jnp
+
+@jax.jit
+def f(x):
+    y = jnp.tanh(x @ x.T)
+    return (jnp.exp(y) * y + jnp.sin(y)).sum()
+
+x = jnp.ones((3000, 32))
+for _ in range(3):
+    f(x).block_until_ready()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    f(x).block_until_ready()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _faults_per_call(mode: str) -> float:
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, mode],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(out.stdout.strip()) / 10
+
+
+@glibc
+def test_scratch_memory_is_reused_instead_of_faulted_in_every_call():
+    default = _faults_per_call("default")
+    kept = _faults_per_call("keep")
+    # Without it every call touches ~70 MB of fresh pages (~18k faults on the development
+    # machine); with it ~3.5k-7k remain there.
+    assert default > 8000
+    assert kept < default / 2
+
+
+@glibc
+def test_applies_on_glibc():
+    assert keep_freed_host_memory() is True
