@@ -65,17 +65,17 @@ DATA_DEFAULTS = {
     "tgt": "de",
     "vocab_size": 8000,
     "tokenizer_type": "bpe",
-    "max_tokens": 1024,
+    "max_tokens": 2048,
     "max_shapes": 12,
 }
 TRAIN_DEFAULTS = {
     "epochs": 21,
-    "warmup_steps": 3200,
+    "warmup_steps": 1600,
     "cooldown": 0.2,
     "log_every": 50,
-    "eval_every": 2000,
-    "bleu_every": 2000,
-    "checkpoint_every": 1000,
+    "eval_every": 1000,
+    "bleu_every": 1000,
+    "checkpoint_every": 500,
     "keep_checkpoints": 5,
 }
 

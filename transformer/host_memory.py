@@ -18,7 +18,6 @@ before the first JAX computation (XLA starts its worker threads then); the entry
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 # mallopt(3) parameters (glibc's malloc.h).
@@ -37,6 +36,6 @@ def keep_freed_host_memory() -> bool:
         return False
     if not os.confstr("CS_GNU_LIBC_VERSION"):
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc = ctypes.CDLL(None)  # the process's own symbols, glibc's mallopt among them
     settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _NEVER_TRIM))
     return all(libc.mallopt(param, value) == 1 for param, value in settings)
