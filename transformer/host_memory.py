@@ -5,8 +5,9 @@ of the default model) with `posix_memalign` on one of its worker threads and fre
 the end of the call. glibc serves a worker thread from a per-thread arena whose heaps are
 at most 64 MB, so every such buffer is a fresh `mmap` and every free a `munmap`: each step
 then page-faults and zeroes all of its scratch memory again. On the 2-core development
-machine that was a quarter of the CPU time of training (60 s of system time in 250 s) and
-about 16% of the step time.
+machine a full training run spent 24 min 29 s in the kernel against 70 min 35 s in user
+code, and steps 150 to 400 of a 400-step run took 68.0 s against 57.2 s with this module's
+settings.
 
 `keep_freed_host_memory()` makes every thread allocate from glibc's main heap, never by
 `mmap`, and never trims the heap, so a buffer freed after one step serves the next. The
@@ -27,14 +28,18 @@ _M_ARENA_MAX = -8
 _NEVER_TRIM = 2**31 - 1  # the largest value mallopt's int takes
 
 
+def uses_glibc() -> bool:
+    """Whether this process's C library is glibc (not e.g. macOS's or musl)."""
+    names = getattr(os, "confstr_names", {})
+    return "CS_GNU_LIBC_VERSION" in names and bool(os.confstr("CS_GNU_LIBC_VERSION"))
+
+
 def keep_freed_host_memory() -> bool:
     """Set glibc's malloc to one arena, no mmap, no trimming; False where that does not apply.
 
     Returns False (changing nothing) outside glibc, e.g. on macOS or musl.
     """
-    if not hasattr(os, "confstr") or "CS_GNU_LIBC_VERSION" not in os.confstr_names:
-        return False
-    if not os.confstr("CS_GNU_LIBC_VERSION"):
+    if not uses_glibc():
         return False
     libc = ctypes.CDLL(None)  # the process's own symbols, glibc's mallopt among them
     settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _NEVER_TRIM))
