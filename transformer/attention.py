@@ -112,7 +112,7 @@ class MultiHeadAttention(nn.Module):
         dtype = cfg.compute_dtype
 
         def project(inputs_BLD: jax.Array, *names: str) -> list[jax.Array]:
-            """The named projections of one input, computed as one matmul: [batch, len, heads, d_head] each."""
+            """The named projections of one input, one matmul: [batch, len, heads, d_head] each."""
             weights = [_Projection(cfg, name=name)(inputs_BLD.shape[-1]) for name in names]
             kernel_DNHK = jnp.stack([kernel for kernel, _ in weights], axis=1).astype(dtype)
             bias_NHK = jnp.stack([bias for _, bias in weights]).astype(dtype)
