@@ -69,7 +69,7 @@ DATA_DEFAULTS = {
     "max_shapes": 12,
 }
 TRAIN_DEFAULTS = {
-    "epochs": 25,
+    "epochs": 23,
     "warmup_steps": 1600,
     "cooldown": 0.2,
     "log_every": 50,

@@ -111,28 +111,28 @@ class MultiHeadAttention(nn.Module):
         cfg = self.config
         dtype = cfg.compute_dtype
 
-        def project(inputs_BLD: jax.Array, *names: str) -> list[jax.Array]:
-            """The named projections of one input, one matmul: [batch, len, heads, d_head] each."""
-            weights = [_Projection(cfg, name=name)(inputs_BLD.shape[-1]) for name in names]
-            kernel_DNHK = jnp.stack([kernel for kernel, _ in weights], axis=1).astype(dtype)
-            bias_NHK = jnp.stack([bias for _, bias in weights]).astype(dtype)
-            out_BLNHK = jnp.einsum("bld,dnhk->blnhk", inputs_BLD.astype(dtype), kernel_DNHK)
-            out_BLNHK = out_BLNHK + bias_NHK
-            return [out_BLNHK[:, :, i] for i in range(len(names))]
+        def project(name: str) -> nn.DenseGeneral:
+            return nn.DenseGeneral(
+                features=(cfg.num_heads, cfg.d_head),
+                dtype=dtype,
+                param_dtype=jnp.float32,
+                kernel_init=nn.initializers.xavier_uniform(),
+                name=name,
+            )
 
+        q_BQHD = project("query")(inputs_q_BQD)
         is_cross = inputs_kv_BKD is not None
+
         if is_cross and decode and self.has_variable("cache", "cross_key"):
-            (q_BQHD,) = project(inputs_q_BQD, "query")
             k_BKHD = self.get_variable("cache", "cross_key")
             v_BKHD = self.get_variable("cache", "cross_value")
-        elif is_cross:
-            (q_BQHD,) = project(inputs_q_BQD, "query")
-            k_BKHD, v_BKHD = project(inputs_kv_BKD, "key", "value")
-            if decode:
+        else:
+            kv_input = inputs_kv_BKD if is_cross else inputs_q_BQD
+            k_BKHD = project("key")(kv_input)
+            v_BKHD = project("value")(kv_input)
+            if is_cross and decode:
                 self.put_variable("cache", "cross_key", k_BKHD)
                 self.put_variable("cache", "cross_value", v_BKHD)
-        else:
-            q_BQHD, k_BKHD, v_BKHD = project(inputs_q_BQD, "query", "key", "value")
 
         if decode and not is_cross:
             k_BKHD, v_BKHD, mask = self._update_self_attention_cache(k_BKHD, v_BKHD, mask)
@@ -188,28 +188,3 @@ class MultiHeadAttention(nn.Module):
         positions_Q = index + jnp.arange(k_B1HD.shape[1])
         visible_QL = jnp.arange(k_BLHD.shape[1])[None, :] <= positions_Q[:, None]
         return k_BLHD, v_BLHD, visible_QL[None, None, :, :]
-
-
-class _Projection(nn.Module):
-    """The kernel [d_in, heads, d_head] and bias [heads, d_head] of one of W^Q, W^K, W^V.
-
-    Named, shaped and initialized exactly as `nn.DenseGeneral(features=(heads,
-    d_head))` makes them (Xavier-uniform over the flattened [d_in, d_model]
-    kernel, zero bias), but returned instead of applied, so that the projections
-    of one input run as a single wider matmul: on a CPU, three [n, 128] x [128,
-    128] products cost more than one [n, 128] x [128, 384].
-    """
-
-    config: TransformerConfig
-
-    @nn.compact
-    def __call__(self, d_in: int) -> tuple[jax.Array, jax.Array]:
-        cfg = self.config
-        xavier = nn.initializers.xavier_uniform()
-
-        def kernel_init(rng, shape, dtype=jnp.float32):
-            return xavier(rng, (shape[0], cfg.d_model), dtype).reshape(shape)
-
-        kernel = self.param("kernel", kernel_init, (d_in, cfg.num_heads, cfg.d_head), jnp.float32)
-        bias = self.param("bias", nn.initializers.zeros, (cfg.num_heads, cfg.d_head), jnp.float32)
-        return kernel, bias
