@@ -69,7 +69,7 @@ DATA_DEFAULTS = {
     "max_shapes": 12,
 }
 TRAIN_DEFAULTS = {
-    "epochs": 23,
+    "epochs": 21,
     "warmup_steps": 1600,
     "cooldown": 0.2,
     "log_every": 50,

@@ -74,19 +74,27 @@ def imported_from(folder: Path) -> Iterator[None]:
         forget()
 
 
-def build_step(folder: Path, preset: str, vocab_size: int, rows: int, length: int):
-    """A callable running one compiled train step of the revision in `folder`."""
+def build_step(
+    folder: Path, preset: str, vocab_size: int, rows: int, length: int, warmup: int
+) -> Callable[[], None]:
+    """A callable running one train step of the revision in `folder`, already compiled.
+
+    The first call (tracing and compiling) and `warmup` more run while the
+    revision's modules are the importable ones.
+    """
     with imported_from(folder):
         train_speed = importlib.import_module("benchmarks.train_speed")
         config = importlib.import_module("transformer").TransformerConfig
         cfg = config.preset(preset, vocab_size=vocab_size)
         step, state, batch = train_speed.make_step_inputs(cfg, rows, length, length)
 
-    def run() -> None:
-        nonlocal state
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
+        def run() -> None:
+            nonlocal state
+            state, metrics = step(state, batch)
+            jax.block_until_ready(metrics)
 
+        for _ in range(1 + warmup):
+            run()
     return run
 
 
@@ -121,9 +129,9 @@ def main() -> None:
         for revision in args.revisions:
             folder = export_revision(revision, Path(tmp))
             start = time.perf_counter()
-            run = build_step(folder, args.preset, args.vocab_size, args.rows, args.length)
-            for _ in range(1 + args.warmup):
-                run()
+            run = build_step(
+                folder, args.preset, args.vocab_size, args.rows, args.length, args.warmup
+            )
             print(f"{revision}: built and compiled in {time.perf_counter() - start:.1f} s")
             runs.append(run)
         times = alternate(runs, args.rounds)
