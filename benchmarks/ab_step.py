@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import io
 import subprocess
 import sys
 import tarfile
@@ -48,11 +49,8 @@ def export_revision(revision: str, into: Path) -> Path:
     )
     if archive.returncode:
         raise SystemExit(f"error: git archive {revision}: {archive.stderr.decode().strip()}")
-    with tempfile.TemporaryFile() as tar_file:
-        tar_file.write(archive.stdout)
-        tar_file.seek(0)
-        with tarfile.open(fileobj=tar_file) as tar:
-            tar.extractall(folder, filter="data")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(folder, filter="data")
     return folder
 
 
@@ -132,7 +130,8 @@ def main() -> None:
             run = build_step(
                 folder, args.preset, args.vocab_size, args.rows, args.length, args.warmup
             )
-            print(f"{revision}: built and compiled in {time.perf_counter() - start:.1f} s")
+            seconds = time.perf_counter() - start
+            print(f"{revision}: built, compiled and warmed up in {seconds:.1f} s")
             runs.append(run)
         times = alternate(runs, args.rounds)
 
