@@ -114,7 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tfds-data-dir", help="TFDS data directory [TFDS default]")
     d.add_argument("--src", help="source language code [en]")
     d.add_argument("--tgt", help="target language code [de]")
-    d.add_argument("--vocab-size", type=int, help="joint SentencePiece vocabulary size [8000]")
+    d.add_argument(
+        "--vocab-size",
+        type=int,
+        help=f"joint SentencePiece vocabulary size [{DATA_DEFAULTS['vocab_size']}]",
+    )
     d.add_argument(
         "--tokenizer-type", choices=["bpe", "unigram"], help="SentencePiece model type [bpe]"
     )

@@ -112,7 +112,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("revisions", nargs=2, help=f"two git revisions, or {WORKTREE}")
     parser.add_argument("--preset", default="mini")
-    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        help="vocabulary size [the checkout's train.py default]",
+    )
     parser.add_argument("--rows", type=int, default=64, help="sentences per step")
     parser.add_argument("--length", type=int, default=16, help="source and target tokens")
     parser.add_argument("--rounds", type=int, default=30)
@@ -121,6 +125,8 @@ def main() -> None:
 
     with imported_from(REPO):
         importlib.import_module("transformer.host_memory").keep_freed_host_memory()
+        if args.vocab_size is None:
+            args.vocab_size = importlib.import_module("train").DATA_DEFAULTS["vocab_size"]
 
     with tempfile.TemporaryDirectory() as tmp:
         runs = []

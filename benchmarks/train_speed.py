@@ -144,7 +144,7 @@ def default_pipeline_shapes(data_dir: Path) -> str:
     train = data.load_corpus(spec, "train")
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = data.load_or_train_tokenizer(
-            tmp, train, vocab_size=data.DEFAULT_VOCAB_SIZE, model_type="bpe"
+            tmp, train, vocab_size=DATA_DEFAULTS["vocab_size"], model_type="bpe"
         )
         encoded = data.encode_corpus(tokenizer, train, max_len=data.DEFAULT_MAX_LEN, cache_dir=tmp)
     batcher = data.TokenBatcher(
@@ -167,7 +167,12 @@ def main() -> None:
         default=f"{DEFAULT_PRESET},base",
         help=f"comma-separated presets [train.py's default, {DEFAULT_PRESET}, and base]",
     )
-    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=DATA_DEFAULTS["vocab_size"],
+        help="vocabulary size [train.py's default]",
+    )
     parser.add_argument(
         "--rows",
         type=int,
