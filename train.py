@@ -63,7 +63,7 @@ DATA_DEFAULTS = {
     "tfds_data_dir": None,
     "src": "en",
     "tgt": "de",
-    "vocab_size": 8000,
+    "vocab_size": 6000,  # against 8000: the higher mean val BLEU of the two directions (README)
     "tokenizer_type": "bpe",
     "max_tokens": 2048,
     "max_shapes": 12,

@@ -39,7 +39,7 @@ def multi30k_slice(multi30k_dir: Path, tmp_path: Path):
 
 @pytest.fixture(scope="session")
 def multi30k_tokenizer(multi30k_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """The default tokenizer (joint BPE, 8000 pieces) trained once on full Multi30k en-de train."""
+    """The default tokenizer (joint BPE, default size) trained once on full Multi30k en-de train."""
     import data
 
     corpus = data.load_corpus(data.CorpusSpec(data_dir=str(multi30k_dir)), "train")
