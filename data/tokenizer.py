@@ -36,7 +36,7 @@ from data.errors import DataError
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3  # set at training; read them from Tokenizer elsewhere
 MODEL_TYPES = ("bpe", "unigram")
-DEFAULT_VOCAB_SIZE = 6000  # joint en+de vocabulary, as train.py's default (chosen on Multi30k)
+DEFAULT_VOCAB_SIZE = 6000  # joint en+de; train.py's default too (a test keeps them equal)
 TOKENIZER_FILENAME = "tokenizer.model"
 
 

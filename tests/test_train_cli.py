@@ -198,6 +198,17 @@ def test_help_documents_every_flag():
         assert flag in result.stdout, flag
 
 
+def test_library_tokenizer_default_is_the_command_line_default():
+    """A tokenizer trained through `data` without a size matches what `train.py` trains.
+
+    train.py keeps its defaults in a table so that --help needs no imports; the
+    library's default lives in data/tokenizer.py; both are changed together.
+    """
+    import data
+
+    assert train.DATA_DEFAULTS["vocab_size"] == data.DEFAULT_VOCAB_SIZE
+
+
 def test_bad_data_flag_is_a_one_line_error_and_exit_2(tmp_path):
     result = _cli("--workdir", str(tmp_path / "run"), "--dataset", "files", "--data-dir",
                   str(tmp_path / "missing"))  # fmt: skip
