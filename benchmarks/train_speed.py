@@ -8,8 +8,9 @@ update, dropout on) at one fixed batch shape with no padding, so every position
 is a real target token. Model FLOPs are counted from the matmuls of the
 architecture (forward x 3 for forward + backward; embedding lookups, softmax,
 layer norm and the optimizer are not counted, as is usual for utilization).
-The peak is the best FLOP/s of a large float32 matmul timed in the same run on
-the same devices. It also reports how many batch shapes the default data
+The peak is the best FLOP/s of a large float32 matmul, timed on the same
+devices at the start and after every 5 timed steps, so through the same
+minutes as the steps. It also reports how many batch shapes the default data
 pipeline compiles on Multi30k and the compile time of the first step.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -71,19 +73,24 @@ def model_flops_per_step(cfg: TransformerConfig, rows: int, src_len: int, tgt_le
     return 3.0 * forward
 
 
-def peak_matmul_flops(size: int, repeats: int) -> float:
-    """Best FLOP/s of a [size, size] @ [size, size] float32 matmul on each device, summed."""
+def make_peak_probe(size: int):
+    """A function that times one [size, size] @ [size, size] float32 matmul on each device.
+
+    Returns:
+      probe(): the FLOP/s of one such matmul per device, summed over devices.
+    """
     n = jax.local_device_count()
     keys = jax.random.split(jax.random.key(0), n)
     a = jax.pmap(lambda k: jax.random.normal(k, (size, size), jnp.float32))(keys)
     matmul = jax.pmap(lambda x: x @ x)
     matmul(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
+
+    def probe() -> float:
         start = time.perf_counter()
         matmul(a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return n * 2.0 * size**3 / best
+        return n * 2.0 * size**3 / (time.perf_counter() - start)
+
+    return probe
 
 
 def default_rows(src_len: int, tgt_len: int) -> int:
@@ -113,9 +120,26 @@ def make_step_inputs(cfg: TransformerConfig, rows: int, src_len: int, tgt_len: i
 
 
 def time_train_step(
-    cfg: TransformerConfig, rows: int, src_len: int, tgt_len: int, steps: int
+    cfg: TransformerConfig,
+    rows: int,
+    src_len: int,
+    tgt_len: int,
+    steps: int,
+    between_steps: Callable[[], object] = lambda: None,
+    every: int = 5,
 ) -> tuple[float, float]:
     """Compiles and times the train step at one shape.
+
+    Args:
+      cfg: the model config.
+      rows: sentences in the global batch.
+      src_len: source positions per sentence.
+      tgt_len: target positions per sentence.
+      steps: timed steps.
+      between_steps: called after every `every` timed steps, outside the timing
+        (the benchmark samples the peak matmul there, so the peak and the steps
+        are measured through the same minutes).
+      every: steps run back to back between calls of `between_steps`.
 
     Returns:
       (seconds of the first call, compile included; median seconds per later step).
@@ -126,11 +150,13 @@ def time_train_step(
     jax.block_until_ready(metrics)
     first = time.perf_counter() - start
     times = []
-    for _ in range(steps):
+    for i in range(steps):
         start = time.perf_counter()
         state, metrics = step(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
+        if (i + 1) % every == 0:
+            between_steps()
     return first, float(np.median(times))
 
 
@@ -180,7 +206,7 @@ def main() -> None:
     )
     parser.add_argument("--src-len", type=int, default=16)
     parser.add_argument("--tgt-len", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per preset")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per preset")
     parser.add_argument("--matmul-size", type=int, default=2048)
     parser.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data" / "multi30k"))
     args = parser.parse_args()
@@ -190,13 +216,33 @@ def main() -> None:
 
     devices = jax.local_devices()
     print(f"devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()})")
-    peak = peak_matmul_flops(args.matmul_size, repeats=5)
-    print(f"peak matmul: {peak / 1e9:.1f} GFLOP/s ({args.matmul_size}^3 float32, best of 5)")
+    # The peak is sampled at the start and after every 5 timed steps (not after
+    # each: its 48 MB of operands would evict the step's data from the cache), and
+    # the best sample is used: on a shared machine a peak timed only once may
+    # come from a slow (or a fast) minute that the steps did not see.
+    probe = make_peak_probe(args.matmul_size)
+    peaks = [probe() for _ in range(5)]
     shape = f"{args.rows} x ({args.src_len} src + {args.tgt_len} tgt) tokens"
+    results = []
     for name in args.presets.split(","):
+        print(f"{name}: compiling, then timing {args.steps} steps ...", flush=True)
         cfg = TransformerConfig.preset(name, vocab_size=args.vocab_size)
-        first, seconds = time_train_step(cfg, args.rows, args.src_len, args.tgt_len, args.steps)
+        first, seconds = time_train_step(
+            cfg,
+            args.rows,
+            args.src_len,
+            args.tgt_len,
+            args.steps,
+            between_steps=lambda: peaks.append(probe()),
+        )
         flops = model_flops_per_step(cfg, args.rows, args.src_len, args.tgt_len)
+        results.append((name, first, seconds, flops))
+    peak = max(peaks)
+    print(
+        f"peak matmul: {peak / 1e9:.1f} GFLOP/s ({args.matmul_size}^3 float32, the best of "
+        f"{len(peaks)} timed through the run; their median {np.median(peaks) / 1e9:.1f})"
+    )
+    for name, first, seconds, flops in results:
         tokens_per_s = args.rows * args.tgt_len / seconds
         print(
             f"{name}: {shape}: first step (compile) {first:.1f} s; {seconds * 1e3:.0f} ms/step; "
