@@ -73,7 +73,7 @@ def model_flops_per_step(cfg: TransformerConfig, rows: int, src_len: int, tgt_le
     return 3.0 * forward
 
 
-def make_peak_probe(size: int):
+def make_peak_probe(size: int) -> Callable[[], float]:
     """A function that times one [size, size] @ [size, size] float32 matmul on each device.
 
     Returns:
