@@ -27,8 +27,12 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.train_speed import default_rows, make_step_inputs  # noqa: E402
-from train import DATA_DEFAULTS, DEFAULT_PRESET  # noqa: E402
+from benchmarks.train_speed import (  # noqa: E402
+    add_step_shape_arguments,
+    default_rows,
+    make_step_inputs,
+)
+from train import DEFAULT_PRESET  # noqa: E402
 from transformer import TransformerConfig  # noqa: E402
 from transformer.host_memory import keep_freed_host_memory  # noqa: E402
 
@@ -74,15 +78,7 @@ def is_matmul(name: str) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default=None, help="model preset [train.py's default]")
-    parser.add_argument(
-        "--vocab-size",
-        type=int,
-        default=DATA_DEFAULTS["vocab_size"],
-        help="vocabulary size [train.py's default]",
-    )
-    parser.add_argument("--rows", type=int, help="sentences per step [as train_speed.py]")
-    parser.add_argument("--src-len", type=int, default=16)
-    parser.add_argument("--tgt-len", type=int, default=16)
+    add_step_shape_arguments(parser)
     parser.add_argument("--steps", type=int, default=5, help="traced steps")
     parser.add_argument("--top", type=int, default=20, help="slowest ops to list")
     args = parser.parse_args()

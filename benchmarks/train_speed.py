@@ -98,6 +98,27 @@ def default_rows(src_len: int, tgt_len: int) -> int:
     return DATA_DEFAULTS["max_tokens"] // (src_len + tgt_len)
 
 
+def add_step_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds --vocab-size, --rows, --src-len and --tgt-len: the measured step's shape.
+
+    Shared by the benchmarks that time or trace this step, so that they measure
+    the same one. --rows is None unless given; `default_rows` fills it in.
+    """
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=DATA_DEFAULTS["vocab_size"],
+        help="vocabulary size [train.py's default]",
+    )
+    parser.add_argument(
+        "--rows",
+        type=int,
+        help="sentences per step [as many as train.py's default token budget holds]",
+    )
+    parser.add_argument("--src-len", type=int, default=16)
+    parser.add_argument("--tgt-len", type=int, default=16)
+
+
 def make_step_inputs(cfg: TransformerConfig, rows: int, src_len: int, tgt_len: int):
     """The pmapped train step, a replicated fresh state and one batch without padding.
 
@@ -193,19 +214,7 @@ def main() -> None:
         default=f"{DEFAULT_PRESET},base",
         help=f"comma-separated presets [train.py's default, {DEFAULT_PRESET}, and base]",
     )
-    parser.add_argument(
-        "--vocab-size",
-        type=int,
-        default=DATA_DEFAULTS["vocab_size"],
-        help="vocabulary size [train.py's default]",
-    )
-    parser.add_argument(
-        "--rows",
-        type=int,
-        help="sentences per step [as many as train.py's default token budget holds]",
-    )
-    parser.add_argument("--src-len", type=int, default=16)
-    parser.add_argument("--tgt-len", type=int, default=16)
+    add_step_shape_arguments(parser)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per preset")
     parser.add_argument("--matmul-size", type=int, default=2048)
     parser.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data" / "multi30k"))
