@@ -6,9 +6,11 @@
 Traces a few steps of the pmapped train step (the shape and preset of
 `benchmarks/train_speed.py`) with `jax.profiler`, reads the Perfetto trace it
 writes, and sums the duration of every XLA op event per op name. It prints the
-total per step of matmul ops (XLA:CPU runs them as library calls: names with
-"dot", "matmul", "gemm", "ynn" or "convolution") against all other ops, then the time and count
-of each kind of op (the name without its number), then the slowest single ops.
+total per step of matmul ops against all other ops, then the time and count of
+each kind of op (the name without its number), then the slowest single ops. An
+op counts as a matmul if it is a dot or convolution, or a fusion whose fused
+computation holds one (read from the compiled step's HLO): XLA:CPU runs matmuls
+as YNNPACK fusions ("ynn_fusion.N"), but it runs some reductions that way too.
 Op durations on different cores overlap, so the sums can exceed wall time.
 """
 
@@ -36,7 +38,7 @@ from train import DEFAULT_PRESET  # noqa: E402
 from transformer import TransformerConfig  # noqa: E402
 from transformer.host_memory import keep_freed_host_memory  # noqa: E402
 
-_MATMUL_MARKERS = ("dot", "matmul", "gemm", "ynn", "convolution")
+_MATMUL_MARKERS = ("dot", "matmul", "gemm", "convolution")
 # Trace events that are not XLA ops: the Python/runtime scaffolding around them.
 _SKIP_PREFIXES = (
     "$",
@@ -69,10 +71,51 @@ def op_durations(trace_dir: Path) -> tuple[dict[str, float], dict[str, int]]:
     return totals, counts
 
 
-def is_matmul(name: str) -> bool:
-    """Whether an op name is a matrix multiply (or a fusion built around one)."""
+def matmul_fusions(hlo_text: str) -> set[str]:
+    """Names of the fusion ops in compiled HLO text whose computation holds a dot or convolution.
+
+    Args:
+      hlo_text: `jax.stages.Compiled.as_text()` of a compiled program.
+
+    Returns:
+      The instruction names ("ynn_fusion.72", ...) of those fusions, nested
+      computations included.
+    """
+    holds_matmul: set[str] = set()
+    calls: dict[str, set[str]] = collections.defaultdict(set)
+    fusion_calls: dict[str, str] = {}
+    computation = None
+    for line in hlo_text.splitlines():
+        header = re.match(r"(?:ENTRY )?%([\w.\-]+) .*\{$", line)
+        if header:
+            computation = header.group(1)
+            continue
+        if computation is None:
+            continue
+        if re.search(r"= \S+ (?:dot|convolution)\(", line):
+            holds_matmul.add(computation)
+        callee = re.search(r"calls=%([\w.\-]+)", line)
+        if callee:
+            calls[computation].add(callee.group(1))
+            fusion = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = .* fusion\(", line)
+            if fusion:
+                fusion_calls[fusion.group(1)] = callee.group(1)
+    changed = True
+    while changed:  # a computation holds a matmul if one it calls does
+        changed = False
+        for caller, callees in calls.items():
+            if caller not in holds_matmul and callees & holds_matmul:
+                holds_matmul.add(caller)
+                changed = True
+    return {name for name, callee in fusion_calls.items() if callee in holds_matmul}
+
+
+def is_matmul(name: str, fusions: set[str]) -> bool:
+    """Whether a trace op is a matrix multiply: a dot-like op, or one of `fusions`."""
+    if name in fusions:
+        return True
     lowered = name.lower()
-    return any(marker in lowered for marker in _MATMUL_MARKERS)
+    return "fusion" not in lowered and any(marker in lowered for marker in _MATMUL_MARKERS)
 
 
 def main() -> None:
@@ -87,6 +130,7 @@ def main() -> None:
     rows = args.rows or default_rows(args.src_len, args.tgt_len)
     cfg = TransformerConfig.preset(preset, vocab_size=args.vocab_size)
     step, state, batch = make_step_inputs(cfg, rows, args.src_len, args.tgt_len)
+    fusions = matmul_fusions(step.lower(state, batch).compile().as_text())
     for _ in range(3):  # compile and warm up outside the trace
         state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
@@ -106,8 +150,8 @@ def main() -> None:
         kind = re.sub(r"\.\d+$", "", name)  # "ynn_fusion.374" -> "ynn_fusion"
         by_kind_ms[kind] += ms
         by_kind_count[kind] += counts[name]
-    matmul = sum(ms for name, ms in per_step_ms.items() if is_matmul(name))
-    other = sum(ms for name, ms in per_step_ms.items() if not is_matmul(name))
+    matmul = sum(ms for name, ms in per_step_ms.items() if is_matmul(name, fusions))
+    other = sum(ms for name, ms in per_step_ms.items() if not is_matmul(name, fusions))
     print(
         f"{preset}: {rows} x ({args.src_len} src + {args.tgt_len} tgt) tokens, "
         f"{jax.local_device_count()} device(s), {args.steps} traced steps"
@@ -123,7 +167,7 @@ def main() -> None:
     ranked = sorted(per_step_ms.items(), key=lambda item: -item[1])[: args.top]
     width = max((len(name) for name, _ in ranked), default=0)
     for name, ms in ranked:
-        kind = "matmul" if is_matmul(name) else "other"
+        kind = "matmul" if is_matmul(name, fusions) else "other"
         print(f"  {name:<{width}}  {ms:8.2f}  {kind}")
 
 
