@@ -8,6 +8,7 @@ from flax import linen as nn
 
 from transformer.config import TransformerConfig
 from transformer.dropout import dropout
+from transformer.matmul import attend, attention_scores, dense_dot_general
 
 
 def scaled_dot_product_attention(
@@ -41,7 +42,7 @@ def scaled_dot_product_attention(
        over unmasked keys, or to 0 where every key is masked).
     """
     d_k = q_BQHD.shape[-1]
-    scores_BHQK = jnp.einsum("bqhd,bkhd->bhqk", q_BQHD, k_BKHD).astype(jnp.float32)
+    scores_BHQK = attention_scores(q_BQHD, k_BKHD).astype(jnp.float32)
     scores_BHQK = scores_BHQK / jnp.sqrt(jnp.float32(d_k))
     if mask is not None:
         scores_BHQK = jnp.where(mask, scores_BHQK, jnp.finfo(jnp.float32).min)
@@ -52,7 +53,7 @@ def scaled_dot_product_attention(
     attended_BHQK = weights_BHQK
     if dropout_rng is not None and dropout_rate > 0.0:
         attended_BHQK = dropout(weights_BHQK, dropout_rate, dropout_rng)
-    out_BQHD = jnp.einsum("bhqk,bkhd->bqhd", attended_BHQK.astype(v_BKHD.dtype), v_BKHD)
+    out_BQHD = attend(attended_BHQK.astype(v_BKHD.dtype), v_BKHD)
     return out_BQHD, weights_BHQK
 
 
@@ -117,6 +118,7 @@ class MultiHeadAttention(nn.Module):
                 dtype=dtype,
                 param_dtype=jnp.float32,
                 kernel_init=nn.initializers.xavier_uniform(),
+                dot_general=dense_dot_general,
                 name=name,
             )
 
@@ -162,6 +164,7 @@ class MultiHeadAttention(nn.Module):
             dtype=dtype,
             param_dtype=jnp.float32,
             kernel_init=nn.initializers.xavier_uniform(),
+            dot_general=dense_dot_general,
             name="out",
         )(out_BQHD)
 

@@ -12,6 +12,7 @@ from flax import linen as nn
 from transformer.attention import MultiHeadAttention
 from transformer.config import TransformerConfig
 from transformer.dropout import Dropout
+from transformer.matmul import dense_dot_general, matmul_transposed
 
 
 def _positional_encoding_at(positions_L: jax.Array, d_model: int) -> jax.Array:
@@ -57,6 +58,7 @@ def _dense(features: int, cfg: TransformerConfig, name: str) -> nn.Dense:
         dtype=cfg.compute_dtype,
         param_dtype=jnp.float32,
         kernel_init=nn.initializers.xavier_uniform(),
+        dot_general=dense_dot_general,
         name=name,
     )
 
@@ -281,7 +283,10 @@ class Decoder(nn.Module):
         if cfg.pre_layer_norm:
             y_BTD = nn.LayerNorm(epsilon=1e-6, dtype=cfg.compute_dtype, name="final_norm")(y_BTD)
         if cfg.share_embeddings:
-            logits_BTV = self.embed.attend(y_BTD)
+            y_BTD, embedding_VD = self.embed.promote_dtype(
+                y_BTD, self.embed.embedding, dtype=self.embed.dtype
+            )
+            logits_BTV = matmul_transposed(y_BTD, embedding_VD)  # Embed.attend's product
         else:
             logits_BTV = _dense(cfg.vocab_size, cfg, "output_projection")(y_BTD)
         return logits_BTV.astype(jnp.float32)

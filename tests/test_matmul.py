@@ -1,0 +1,135 @@
+"""transformer.matmul: the plain products' values and gradients, run as library kernels."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from jax import lax
+
+from transformer import Transformer, TransformerConfig
+from transformer.matmul import attend, attention_scores, dense_dot_general, matmul_transposed
+
+_DENSE_DIMS = (((2,), (0,)), ((), ()))  # x [B, L, K] . w [K, M], as flax's Dense
+_HEADS_DIMS = (((2, 3), (0, 1)), ((), ()))  # x [B, L, H, D] . w [H, D, M], as the W^O projection
+
+
+def _dense(dims):
+    return lambda x, w: dense_dot_general(x, w, dims)
+
+
+def _plain_dense(dims):
+    return lambda x, w: lax.dot_general(x, w, dims)
+
+
+# (name, product, its plain form, operand shapes): every operand dimension is
+# at least 8, the size below which XLA:CPU keeps a dot out of YNNPACK.
+CASES = [
+    ("dense", _dense(_DENSE_DIMS), _plain_dense(_DENSE_DIMS), [(8, 16, 32), (32, 64)]),
+    ("dense, input wider", _dense(_DENSE_DIMS), _plain_dense(_DENSE_DIMS), [(8, 16, 64), (64, 32)]),
+    (
+        "dense over heads",
+        _dense(_HEADS_DIMS),
+        _plain_dense(_HEADS_DIMS),
+        [(8, 16, 8, 8), (8, 8, 32)],
+    ),
+    ("tied projection", matmul_transposed, lambda x, w: x @ w.T, [(8, 16, 32), (96, 32)]),
+    (
+        "attention scores",
+        attention_scores,
+        lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k),
+        [(8, 16, 8, 32), (8, 24, 8, 32)],
+    ),
+    (
+        "attend",
+        attend,
+        lambda p, v: jnp.einsum("bhqk,bkhd->bqhd", p, v),
+        [(8, 8, 16, 24), (8, 24, 8, 32)],
+    ),
+]
+IDS = [case[0] for case in CASES]
+
+
+def _operands(shapes):
+    keys = jax.random.split(jax.random.PRNGKey(0), len(shapes))
+    return [jax.random.normal(key, shape) for key, shape in zip(keys, shapes, strict=True)]
+
+
+def _loss(product):
+    # A non-linear loss, so that the output gradient differs per element.
+    return lambda a, b: jnp.sum(jnp.sin(product(a, b)))
+
+
+@pytest.mark.parametrize("name,product,plain,shapes", CASES, ids=IDS)
+def test_values_and_gradients_equal_the_plain_product(name, product, plain, shapes):
+    a, b = _operands(shapes)
+    np.testing.assert_allclose(product(a, b), plain(a, b), rtol=1e-5, atol=1e-5)
+    grads = jax.grad(_loss(product), argnums=(0, 1))(a, b)
+    plain_grads = jax.grad(_loss(plain), argnums=(0, 1))(a, b)
+    for grad, plain_grad in zip(grads, plain_grads, strict=True):
+        assert grad.shape == plain_grad.shape
+        np.testing.assert_allclose(grad, plain_grad, rtol=1e-4, atol=1e-4)
+
+
+def _unfused_dots(hlo_text: str) -> list[str]:
+    """The dot instructions of compiled HLO that are not inside a fusion (XLA:CPU's Eigen dots)."""
+    fused = set(re.findall(r" fusion\(.*calls=%([\w.\-]+)", hlo_text))
+    dots, computation = [], None
+    for line in hlo_text.splitlines():
+        header = re.match(r"(?:ENTRY )?%([\w.\-]+) .*\{$", line)
+        if header:
+            computation = header.group(1)
+        elif computation not in fused and re.search(r"= \S+ dot\(", line):
+            dots.append(line.strip())
+    return dots
+
+
+def _gradient_hlo(product, shapes) -> str:
+    grad = jax.jit(jax.grad(_loss(product), argnums=(0, 1)))
+    return grad.lower(*_operands(shapes)).compile().as_text()
+
+
+def _skip_unless_cpu_runs_matmuls_in_ynnpack():
+    if jax.default_backend() != "cpu":
+        pytest.skip("a property of XLA:CPU's compiled programs")
+    a, b = _operands([(16, 32), (32, 16)])
+    if "ynn_fusion" not in jax.jit(jnp.matmul).lower(a, b).compile().as_text():
+        pytest.skip("this jaxlib's XLA:CPU does not run matmuls as YNNPACK fusions")
+
+
+@pytest.mark.parametrize("name,product,plain,shapes", CASES[:4], ids=IDS[:4])
+def test_every_gradient_matmul_runs_in_the_matmul_library_on_cpu(name, product, plain, shapes):
+    _skip_unless_cpu_runs_matmuls_in_ynnpack()
+    assert _unfused_dots(_gradient_hlo(product, shapes)) == []
+    if name == "dense":
+        # The reason for the module: the plain layer's weight gradient is a dot YNNPACK refuses.
+        assert _unfused_dots(_gradient_hlo(plain, shapes))
+
+
+def test_the_model_gradient_has_no_eigen_dots_on_cpu():
+    _skip_unless_cpu_runs_matmuls_in_ynnpack()
+    # Every dimension at least 8 (d_head 16), so XLA:CPU would give each dot to YNNPACK.
+    cfg = TransformerConfig.preset("tiny", vocab_size=64, num_heads=2)
+    model = Transformer(cfg)
+    src, tgt = (jnp.full((8, 16), 5, jnp.int32) for _ in range(2))
+    params = model.init(jax.random.PRNGKey(0), src, tgt)
+
+    def loss(params):
+        rngs = {"dropout": jax.random.PRNGKey(1)}
+        return jnp.sum(jnp.sin(model.apply(params, src, tgt, train=True, rngs=rngs)))
+
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    assert "ynn_fusion" in hlo
+    assert _unfused_dots(hlo) == []
+
+
+def test_flax_dense_with_the_dot_has_the_same_parameters_and_outputs():
+    x = _operands([(4, 8, 16)])[0]
+    plain = nn.Dense(32)
+    ours = nn.Dense(32, dot_general=dense_dot_general)
+    params = plain.init(jax.random.PRNGKey(1), x)
+    ours_params = ours.init(jax.random.PRNGKey(1), x)
+    assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, ours_params)
+    np.testing.assert_allclose(ours.apply(params, x), plain.apply(params, x), rtol=1e-6)
