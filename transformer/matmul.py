@@ -4,11 +4,11 @@ XLA:CPU runs a dot as a YNNPACK kernel only if the left operand's contracted
 dimension is its last one; any other dot falls back to a slower Eigen kernel.
 Autodiff of `x @ w` computes the weight gradient as `x^T @ g`, which contracts
 the left operand over its first dimension, and XLA folds an explicit transpose
-written in front of it back into the dot. Both functions here compute the same
-values as their plain forms, but their backward pass transposes that operand
-into a copy that XLA cannot fold away (`jax.lax.optimization_barrier`), so
-every gradient matmul runs as a YNNPACK kernel. On other backends the copies
-are cheap and the results are identical.
+written in front of it back into the dot. The public functions here compute the
+same values as their plain forms, but their backward pass transposes that
+operand into a copy that XLA cannot fold away (`jax.lax.optimization_barrier`),
+so every gradient matmul runs as a YNNPACK kernel. The gradients are the plain
+ones up to float rounding; on other backends the extra copies are small.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def dense_dot_general(
     gradients are computed as one 2-D matmul each: [N, K] x [K, M] forward,
     g [N, M] x w^T for the input gradient, and x^T [K, N] x g [N, M] (or
     (g^T [M, N] x x [N, K])^T when M < K, to transpose the smaller array) for
-    the weight gradient. Any other dimension numbers go to `lax.dot_general`
-    unchanged.
+    the weight gradient. Any other dimension numbers, or an explicit
+    `precision`, go to `lax.dot_general` unchanged.
     """
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     n = len(lhs_contract)
@@ -53,7 +53,7 @@ def dense_dot_general(
         and tuple(lhs_contract) == tuple(range(lhs.ndim - n, lhs.ndim))
         and tuple(rhs_contract) == tuple(range(n))
     )
-    if not dense:
+    if not dense or precision is not None:
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
     k = math.prod(rhs.shape[:n])
     out_shape = lhs.shape[: lhs.ndim - n] + rhs.shape[n:]
