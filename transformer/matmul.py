@@ -26,6 +26,15 @@ def _materialized_transpose(x: jax.Array, axes: Sequence[int]) -> jax.Array:
     return lax.optimization_barrier(jnp.transpose(x, axes))
 
 
+def _product_transposed(a_MN: jax.Array, b_NK: jax.Array) -> jax.Array:
+    """(a @ b)^T [K, M], the product kept whole before the transpose.
+
+    Without the barrier on the product, XLA rewrites transpose(a @ b) as a dot
+    contracting b over its first dimension: the slow kind again.
+    """
+    return _materialized_transpose(lax.optimization_barrier(a_MN @ b_NK), (1, 0))
+
+
 def dense_dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -80,10 +89,7 @@ def _matmul_bwd(residuals, g_NM: jax.Array):
     if w_KM.shape[0] <= w_KM.shape[1]:
         dw_KM = _materialized_transpose(x_NK, (1, 0)) @ g_NM
     else:
-        # The product goes behind a barrier too: XLA rewrites transpose(a @ b) as
-        # a dot contracting b's first dimension, the slow kind again.
-        dw_MK = _materialized_transpose(g_NM, (1, 0)) @ x_NK
-        dw_KM = _materialized_transpose(lax.optimization_barrier(dw_MK), (1, 0))
+        dw_KM = _product_transposed(_materialized_transpose(g_NM, (1, 0)), x_NK)
     return dx_NK.astype(x_NK.dtype), dw_KM.astype(w_KM.dtype)
 
 
@@ -120,12 +126,28 @@ def _matmul_nt_fwd(x_NK: jax.Array, w_MK: jax.Array):
 def _matmul_nt_bwd(residuals, g_NM: jax.Array):
     x_NK, w_MK = residuals
     dx_NK = g_NM @ w_MK
-    dw_KM = _materialized_transpose(x_NK, (1, 0)) @ g_NM
-    dw_MK = _materialized_transpose(lax.optimization_barrier(dw_KM), (1, 0))
+    dw_MK = _product_transposed(_materialized_transpose(x_NK, (1, 0)), g_NM)
     return dx_NK.astype(x_NK.dtype), dw_MK.astype(w_MK.dtype)
 
 
 _matmul_nt.defvjp(_matmul_nt_fwd, _matmul_nt_bwd)
+
+
+def _scores(q_BQHD: jax.Array, k_BKHD: jax.Array) -> jax.Array:
+    return jnp.einsum("bqhd,bkhd->bhqk", q_BQHD, k_BKHD)
+
+
+def _weighted_sum(weights_BHQK: jax.Array, v_BKHD: jax.Array) -> jax.Array:
+    return jnp.einsum("bhqk,bkhd->bqhd", weights_BHQK, v_BKHD)
+
+
+def _swap_last_two(x_BHXY: jax.Array) -> jax.Array:
+    """[batch, heads, x, y] -> [batch, heads, y, x] as a real copy (see the module docstring)."""
+    return _materialized_transpose(x_BHXY, (0, 1, 3, 2))
+
+
+# Each product's gradients are the two products again: the one contracting the
+# last dimension of a [batch, heads, ., .] operand is given it transposed.
 
 
 @jax.custom_vjp
@@ -139,7 +161,7 @@ def attention_scores(q_BQHD: jax.Array, k_BKHD: jax.Array) -> jax.Array:
     Returns:
       [batch, heads, q_len, kv_len].
     """
-    return jnp.einsum("bqhd,bkhd->bhqk", q_BQHD, k_BKHD)
+    return _scores(q_BQHD, k_BKHD)
 
 
 def _attention_scores_fwd(q_BQHD: jax.Array, k_BKHD: jax.Array):
@@ -148,9 +170,8 @@ def _attention_scores_fwd(q_BQHD: jax.Array, k_BKHD: jax.Array):
 
 def _attention_scores_bwd(residuals, g_BHQK: jax.Array):
     q_BQHD, k_BKHD = residuals
-    dq_BQHD = jnp.einsum("bhqk,bkhd->bqhd", g_BHQK, k_BKHD)
-    g_BHKQ = _materialized_transpose(g_BHQK, (0, 1, 3, 2))
-    dk_BKHD = jnp.einsum("bhkq,bqhd->bkhd", g_BHKQ, q_BQHD)
+    dq_BQHD = _weighted_sum(g_BHQK, k_BKHD)
+    dk_BKHD = _weighted_sum(_swap_last_two(g_BHQK), q_BQHD)
     return dq_BQHD.astype(q_BQHD.dtype), dk_BKHD.astype(k_BKHD.dtype)
 
 
@@ -168,7 +189,7 @@ def attend(weights_BHQK: jax.Array, v_BKHD: jax.Array) -> jax.Array:
     Returns:
       [batch, q_len, heads, d_v].
     """
-    return jnp.einsum("bhqk,bkhd->bqhd", weights_BHQK, v_BKHD)
+    return _weighted_sum(weights_BHQK, v_BKHD)
 
 
 def _attend_fwd(weights_BHQK: jax.Array, v_BKHD: jax.Array):
@@ -177,9 +198,8 @@ def _attend_fwd(weights_BHQK: jax.Array, v_BKHD: jax.Array):
 
 def _attend_bwd(residuals, g_BQHD: jax.Array):
     weights_BHQK, v_BKHD = residuals
-    dweights_BHQK = jnp.einsum("bqhd,bkhd->bhqk", g_BQHD, v_BKHD)
-    weights_BHKQ = _materialized_transpose(weights_BHQK, (0, 1, 3, 2))
-    dv_BKHD = jnp.einsum("bhkq,bqhd->bkhd", weights_BHKQ, g_BQHD)
+    dweights_BHQK = _scores(g_BQHD, v_BKHD)
+    dv_BKHD = _weighted_sum(_swap_last_two(weights_BHQK), g_BQHD)
     return dweights_BHQK.astype(weights_BHQK.dtype), dv_BKHD.astype(v_BKHD.dtype)
 
 
