@@ -71,6 +71,7 @@ DATA_DEFAULTS = {
 TRAIN_DEFAULTS = {
     "epochs": 21,
     "warmup_steps": 1600,
+    "learning_rate_scale": 0.7,  # against 1.0: the higher mean val BLEU of the two directions
     "cooldown": 0.2,
     "log_every": 50,
     "eval_every": 1000,
@@ -162,7 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"learning-rate warmup steps [{TRAIN_DEFAULTS['warmup_steps']}]",
     )
     t.add_argument(
-        "--lr-scale", type=float, help="factor on d_model^-0.5 * min(step^-0.5, ...) [1.0]"
+        "--lr-scale",
+        type=float,
+        help="factor on d_model^-0.5 * min(step^-0.5, ...) "
+        f"[{TRAIN_DEFAULTS['learning_rate_scale']}]",
     )
     t.add_argument(
         "--cooldown",
