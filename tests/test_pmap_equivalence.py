@@ -67,15 +67,22 @@ def _worker(out_dir: str) -> None:
         devices = jax.local_devices()[:num_devices]
         state = replicate(initial, devices)
         step = make_train_step(model, optimizer, label_smoothing=0.1, pad_id=0, devices=devices)
-        losses = []
+        losses, grad_norms = [], []
         for batch in _global_batches():
             sharded = {k: v.reshape(num_devices, -1, v.shape[1]) for k, v in batch.items()}
             state, metrics = step(state, sharded)
-            losses.append(unreplicate(metrics)["loss"])
+            metrics = unreplicate(metrics)
+            losses.append(metrics["loss"])
+            grad_norms.append(metrics["grad_norm"])
         params = unreplicate(state.params)
         leaves = jax.tree_util.tree_leaves_with_path(params)
         flat = {jax.tree_util.keystr(path): x for path, x in leaves}
-        np.savez(Path(out_dir) / f"devices_{num_devices}.npz", losses=np.array(losses), **flat)
+        np.savez(
+            Path(out_dir) / f"devices_{num_devices}.npz",
+            losses=np.array(losses),
+            grad_norms=np.array(grad_norms),
+            **flat,
+        )
 
 
 def _run_worker(tmp_path: Path) -> list[dict[str, np.ndarray]]:
@@ -98,6 +105,9 @@ def test_same_global_batch_same_training_on_1_2_4_devices(tmp_path):
     assert not np.allclose(one["losses"][0], one["losses"][1:])  # the parameters did move
     for other in (two, four):
         np.testing.assert_allclose(other["losses"], one["losses"], rtol=1e-5)
+        # Adam hardly sees a gradient's scale, so the parameters alone would not catch a
+        # gradient summed or averaged one time too many across devices; its norm does.
+        np.testing.assert_allclose(other["grad_norms"], one["grad_norms"], rtol=1e-5)
         assert other.keys() == one.keys()
         for name in one:
             if "['key']['bias']" in name:
@@ -105,8 +115,8 @@ def test_same_global_batch_same_training_on_1_2_4_devices(tmp_path):
                 # shared by all keys): rounding noise, which Adam (eps 1e-9) turns into
                 # full-size steps of random sign. Nothing else depends on these values.
                 continue
-            # atol 5e-5: a fresh CI install on 2026-11-22, with the model code of an earlier
-            # passing run, moved one of 1024 elements by 2.8e-5 (rtol 1.7e-4): rounding order.
+            # atol 5e-5: on 2026-11-22 one of 1024 elements moved by 2.8e-5 (rtol 1.7e-4)
+            # with the model code of an earlier passing run and the same JAX 0.10.2: rounding.
             np.testing.assert_allclose(other[name], one[name], rtol=1e-4, atol=5e-5, err_msg=name)
 
 
