@@ -20,6 +20,7 @@ import numpy as np
 STEPS = 4
 GLOBAL_BATCH = 8
 VOCAB = 40
+METRICS = {"losses", "grad_norms"}  # saved beside the parameters, compared on their own
 
 
 def _global_batches(seed: int = 0) -> list[dict[str, np.ndarray]]:
@@ -109,14 +110,14 @@ def test_same_global_batch_same_training_on_1_2_4_devices(tmp_path):
         # gradient summed or averaged one time too many across devices; its norm does.
         np.testing.assert_allclose(other["grad_norms"], one["grad_norms"], rtol=1e-5)
         assert other.keys() == one.keys()
-        for name in one:
+        for name in one.keys() - METRICS:
             if "['key']['bias']" in name:
                 # Exactly zero gradient in exact arithmetic (softmax ignores a score shift
                 # shared by all keys): rounding noise, which Adam (eps 1e-9) turns into
                 # full-size steps of random sign. Nothing else depends on these values.
                 continue
-            # atol 5e-5: on 2026-11-22 one of 1024 elements moved by 2.8e-5 (rtol 1.7e-4)
-            # with the model code of an earlier passing run and the same JAX 0.10.2: rounding.
+            # atol 5e-5: the largest difference is 3.8e-5, the same in every run (2026-11-22,
+            # JAX 0.10.2): the cross-device sum's rounding, grown by Adam on small gradients.
             np.testing.assert_allclose(other[name], one[name], rtol=1e-4, atol=5e-5, err_msg=name)
 
 
