@@ -13,9 +13,9 @@ from transformer.decoding import beam_search, greedy_search, length_penalty
 PAD, BOS, EOS = 0, 1, 2
 
 
-def _peaked_model(vocab_size: int, seed: int = 0, scale: float = 3.0):
+def _peaked_model(vocab_size: int, seed: int = 0, scale: float = 3.0, **overrides):
     """A tiny random model whose weights are scaled up so next-token distributions are peaked."""
-    config = TransformerConfig.preset("tiny", vocab_size=vocab_size, dropout_rate=0.0)
+    config = TransformerConfig.preset("tiny", vocab_size=vocab_size, dropout_rate=0.0, **overrides)
     model = Transformer(config)
     dummy = jnp.ones((1, 4), jnp.int32)
     params = model.init(jax.random.key(seed), dummy, dummy)["params"]
@@ -70,6 +70,24 @@ def test_cached_equals_uncached(model_and_sources):
     np.testing.assert_array_equal(cached, uncached)
     np.testing.assert_allclose(cached_scores, uncached_scores, rtol=1e-5)
     _assert_well_formed(np.asarray(cached), np.asarray(src), 5)
+
+
+@pytest.mark.parametrize("encoder_layers, decoder_layers", [(3, 1), (1, 3)])
+def test_cached_equals_uncached_with_unequal_stacks(encoder_layers, decoder_layers):
+    # The cache holds one self-attention and one cross-attention entry per decoder layer,
+    # so it must follow the decoder's depth, not the encoder's (deep-encoder models).
+    model, params = _peaked_model(
+        vocab_size=16, num_encoder_layers=encoder_layers, num_decoder_layers=decoder_layers
+    )
+    src = _sources(16, [6, 3, 9, 4])
+    kw = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_extra_len=5)
+    np.testing.assert_array_equal(
+        greedy_search(model, params, src, **kw),
+        greedy_search(model, params, src, use_cache=False, **kw),
+    )
+    cached, _ = beam_search(model, params, src, beam_size=3, **kw)
+    uncached, _ = beam_search(model, params, src, beam_size=3, use_cache=False, **kw)
+    np.testing.assert_array_equal(cached, uncached)
 
 
 def test_beam_search_ignores_batch_neighbours(model_and_sources):
