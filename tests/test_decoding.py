@@ -58,8 +58,8 @@ def test_beam_of_one_is_greedy(model_and_sources):
     assert (greedy == EOS).any(axis=1).any() and not (greedy == EOS).any(axis=1).all()
 
 
-def test_cached_equals_uncached(model_and_sources):
-    model, params, src = model_and_sources
+def _assert_cached_equals_uncached(model, params, src, score_rtol=1e-5):
+    """Greedy and beam search give the same outputs and scores with and without the cache."""
     kw = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_extra_len=5)
     np.testing.assert_array_equal(
         greedy_search(model, params, src, **kw),
@@ -68,8 +68,12 @@ def test_cached_equals_uncached(model_and_sources):
     cached, cached_scores = beam_search(model, params, src, beam_size=3, **kw)
     uncached, uncached_scores = beam_search(model, params, src, beam_size=3, use_cache=False, **kw)
     np.testing.assert_array_equal(cached, uncached)
-    np.testing.assert_allclose(cached_scores, uncached_scores, rtol=1e-5)
+    np.testing.assert_allclose(cached_scores, uncached_scores, rtol=score_rtol)
     _assert_well_formed(np.asarray(cached), np.asarray(src), 5)
+
+
+def test_cached_equals_uncached(model_and_sources):
+    _assert_cached_equals_uncached(*model_and_sources)
 
 
 @pytest.mark.parametrize("encoder_layers, decoder_layers", [(3, 1), (1, 3)])
@@ -79,15 +83,9 @@ def test_cached_equals_uncached_with_unequal_stacks(encoder_layers, decoder_laye
     model, params = _peaked_model(
         vocab_size=16, num_encoder_layers=encoder_layers, num_decoder_layers=decoder_layers
     )
-    src = _sources(16, [6, 3, 9, 4])
-    kw = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_extra_len=5)
-    np.testing.assert_array_equal(
-        greedy_search(model, params, src, **kw),
-        greedy_search(model, params, src, use_cache=False, **kw),
-    )
-    cached, _ = beam_search(model, params, src, beam_size=3, **kw)
-    uncached, _ = beam_search(model, params, src, beam_size=3, use_cache=False, **kw)
-    np.testing.assert_array_equal(cached, uncached)
+    # Three decoder layers round differently in the two paths: measured 1.3e-5 relative
+    # on one score of four (1+3), with the same tokens.
+    _assert_cached_equals_uncached(model, params, _sources(16, [6, 3, 9, 4]), score_rtol=3e-5)
 
 
 def test_beam_search_ignores_batch_neighbours(model_and_sources):
