@@ -71,7 +71,7 @@ DATA_DEFAULTS = {
 TRAIN_DEFAULTS = {
     "epochs": 21,
     "warmup_steps": 1600,
-    "learning_rate_scale": 0.7,  # against 1.0: the higher mean val BLEU of the two directions
+    "learning_rate_scale": 1.0,  # against 0.7: the higher mean en->de val BLEU over seeds (README)
     "cooldown": 0.2,
     "log_every": 50,
     "eval_every": 1000,
