@@ -1,4 +1,5 @@
-"""The README's Python examples run as written, and its test command is the one CI runs."""
+"""The README's Python examples run as written, its test command is the one CI runs, and
+it states evaluate.py's search defaults."""
 
 import re
 from pathlib import Path
@@ -19,3 +20,13 @@ def test_ci_runs_the_readme_test_command():
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     command = next(line for line in ci.splitlines() if line.startswith("python3 -m venv"))
     assert command in README
+
+
+def test_readme_states_the_evaluation_defaults():
+    import evaluate
+
+    args = evaluate.parse_args(["--workdir", "w", "--split", "test2016"])
+    example = next(line for line in README.splitlines() if "# last" in line)
+    k = evaluate.DEFAULT_AVERAGE_LAST
+    stated = f"last {k} averaged, beam {args.beam}, alpha {args.alpha:g}"
+    assert example.endswith(stated), f"README says {example!r}, evaluate.py {stated!r}"
