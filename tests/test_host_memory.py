@@ -43,8 +43,8 @@ for _ in range(10):
 def _faults_per_call(mode: str) -> float:
     """The median over 10 calls of one call's minor page faults, in a fresh process.
 
-    The median, since a call now and then grows the heap once (a few thousand faults) even
-    when freed memory is kept; the property is that the typical call faults nothing in.
+    The median, since some processes still fault tens of thousands of pages over their 10
+    calls when freed memory is kept (2 of 6 here), while the typical call faults none in.
     """
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, mode],
