@@ -5,10 +5,11 @@
   python train.py --workdir runs/multi30k                 # again: resumes where it stopped
 
 Everything evaluation needs lands in the workdir: config.json (model, data and
-training settings), tokenizer.model, checkpoints/, metrics.jsonl and
-TensorBoard event files. Rerunning with the same --workdir resumes with the
-saved settings; flags given again may change the training schedule (e.g. more
---steps) but not the model or the data.
+training settings, and the code revision and package versions of every start),
+tokenizer.model, checkpoints/, metrics.jsonl and TensorBoard event files.
+Rerunning with the same --workdir resumes with the saved settings; flags given
+again may change the training schedule (e.g. more --steps) but not the model or
+the data.
 
 Exit status: 0 when done or interrupted (SIGINT/SIGTERM save a checkpoint
 first), 1 when the loss became non-finite, 2 for bad flags, data or workdir.
@@ -403,7 +404,12 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from data import prefetch
-    from transformer.checkpoints import CONFIG_FILE, load_run_config, save_run_config
+    from transformer.checkpoints import (
+        CONFIG_FILE,
+        load_run_config,
+        record_environment,
+        save_run_config,
+    )
     from transformer.training import Trainer, with_data_state
 
     log = tqdm.write
@@ -428,10 +434,8 @@ def run(args: argparse.Namespace) -> int:
     if saved is not None:
         check_resume_matches(workdir, saved, "model", model_cfg.to_dict())
     if main_process:
-        save_run_config(
-            workdir,
-            {"model": model_cfg.to_dict(), "data": data_cfg, "train": train_cfg.to_dict()},
-        )
+        sections = {"model": model_cfg.to_dict(), "data": data_cfg, "train": train_cfg.to_dict()}
+        save_run_config(workdir, {**(saved or {}), **sections})  # keeps "environments"
     for line in loaded.summary:
         log(line)
 
@@ -460,6 +464,13 @@ def run(args: argparse.Namespace) -> int:
         )
         if start:
             log(f"resumed from step {start} in {trainer.checkpoints.directory}")
+        if main_process:
+            changes = record_environment(workdir, start)
+            if start and changes:
+                log(
+                    f"warning: resuming with other software than before ({'; '.join(changes)}); "
+                    "training goes on, but will not repeat an uninterrupted run to the last digit"
+                )
         if start >= total_steps:
             log(f"already at step {start} of {total_steps}; pass a larger --steps to go on")
         trainer.open_metrics()

@@ -71,6 +71,11 @@ def test_workdir_has_everything_evaluation_needs_and_loss_falls(straight_run, ca
     assert config["model"]["d_model"] == 32 and config["model"]["vocab_size"] == 400
     assert config["data"]["dataset"] == "files" and config["data"]["max_len"] == 64
     assert config["train"]["steps"] == 16 and config["train"]["warmup_steps"] == 10
+    # What else decides the numbers: the software it ran with.
+    [environment] = config["environments"]
+    assert environment["step"] == 0
+    assert environment["packages"]["jax"] == jax.__version__
+    assert environment["devices"] == f"{jax.device_count()} x {jax.devices()[0].device_kind}"
     assert (workdir / "tokenizer.model").is_file()
     assert list(workdir.glob("events.out.tfevents.*"))
     assert checkpoint_steps(workdir) == [8, 12, 16]  # last 3 (16 is also the best)
@@ -105,9 +110,26 @@ def test_stop_and_resume_gives_exactly_the_uninterrupted_parameters(
     losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path) if "loss" in r}
     expected = {r["step"]: r["loss"] for r in read_metrics(straight_run) if "loss" in r}
     assert losses == expected
-    assert load_run_config(tmp_path)["train"]["steps"] == 16
+    config = load_run_config(tmp_path)
+    assert config["train"]["steps"] == 16
+    assert [e["step"] for e in config["environments"]] == [0, 8]
     elapsed = [r["elapsed_s"] for r in read_metrics(tmp_path)]
     assert elapsed == sorted(elapsed)  # the clock carries over the resume
+
+
+def test_resuming_with_other_package_versions_warns_and_goes_on(slice_dir, tmp_path, capsys):
+    assert train.main(_flags(slice_dir, tmp_path, "--steps", "4")) == 0
+    config = load_run_config(tmp_path)
+    config["environments"][-1]["packages"]["jaxlib"] = "0.0.1"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert train.main(["--workdir", str(tmp_path), "--steps", "8", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: resuming with other software than before (jaxlib 0.0.1 -> " in out
+    assert checkpoint_steps(tmp_path)[-1] == 8
+    environments = load_run_config(tmp_path)["environments"]
+    assert [e["step"] for e in environments] == [0, 4]
+    assert environments[0]["packages"]["jaxlib"] == "0.0.1"  # the earlier record is kept
 
 
 def test_damaged_latest_checkpoint_is_reported_and_the_one_before_used(

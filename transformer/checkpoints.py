@@ -2,7 +2,8 @@
 
 Layout of a workdir::
 
-    workdir/config.json       {"model": TransformerConfig.to_dict(), "data": {...}, "train": {...}}
+    workdir/config.json       {"model": TransformerConfig.to_dict(), "data": {...}, "train": {...},
+                               "environments": [software_environment() + "step", one per start]}
     workdir/tokenizer.model   the SentencePiece model
     workdir/checkpoints/<step>/{params,opt_state,meta,metrics}   one Orbax checkpoint per step
     workdir/metrics.jsonl     one JSON object per logged step
@@ -23,8 +24,11 @@ import contextlib
 import json
 import logging
 import os
+import platform
+import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -38,6 +42,17 @@ TOKENIZER_FILE = "tokenizer.model"
 CHECKPOINT_DIR = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
 BEST_METRIC = "val_bleu"
+# The packages whose versions can change a run's numbers (or its BLEU), recorded with it.
+RECORDED_PACKAGES = (
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "numpy",
+    "sentencepiece",
+    "sacrebleu",
+)
 
 PyTree = Any
 
@@ -127,6 +142,97 @@ def load_run_config(workdir: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(config, dict) or "model" not in config:
         raise CheckpointError(f"{path} has no 'model' section; is it a config written by train.py?")
     return config
+
+
+def _code_revision() -> str | None:
+    """The git commit of this code (with "-dirty" if tracked files differ), or None outside git."""
+    repo = str(Path(__file__).resolve().parents[1])
+
+    def git(*args: str) -> str:
+        run = subprocess.run(
+            ["git", "-C", repo, *args], capture_output=True, text=True, timeout=10, check=True
+        )
+        return run.stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{commit}-dirty" if changed else commit
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def software_environment() -> dict[str, Any]:
+    """What besides its settings decides a run's numbers: code, packages, Python, devices.
+
+    Training is deterministic for one code revision and one set of package versions on
+    one kind of machine; a new jaxlib or XLA may round differently and so end elsewhere.
+
+    Returns:
+      {"code": git commit or None, "packages": {name: version or None}, "python": ...,
+       "platform": ..., "cpu": ..., "devices": "N x kind"}.
+    """
+    packages = {}
+    for name in RECORDED_PACKAGES:
+        try:
+            packages[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            packages[name] = None
+    return {
+        "code": _code_revision(),
+        "packages": packages,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+    }
+
+
+def environment_changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The differences that can change numbers between two `software_environment()` records.
+
+    Returns:
+      e.g. ["jaxlib 0.10.2 -> 0.10.3", "code abc -> def"]; empty if none.
+    """
+    changes = [
+        f"{name} {before.get('packages', {}).get(name)} -> {version}"
+        for name, version in now["packages"].items()
+        if before.get("packages", {}).get(name) != version
+    ]
+    for key in ("code", "python", "devices"):
+        if before.get(key) != now[key]:
+            changes.append(f"{key} {before.get(key)} -> {now[key]}")
+    return changes
+
+
+def record_environment(workdir: str | os.PathLike, step: int) -> list[str]:
+    """Appends this process's `software_environment()` at `step` to workdir/config.json.
+
+    Args:
+      workdir: a workdir whose config.json exists.
+      step: the step training starts (0) or resumes from.
+
+    Returns:
+      `environment_changes` from the last record before this one (empty on a fresh run).
+    """
+    config = load_run_config(workdir)
+    records = config.setdefault("environments", [])
+    now = software_environment()
+    changes = environment_changes(records[-1], now) if records else []
+    records.append({"step": step, **now})
+    save_run_config(workdir, config)
+    return changes
 
 
 def _best_metric(metrics: dict[str, float]) -> float:
