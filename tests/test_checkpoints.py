@@ -1,5 +1,9 @@
-"""Workdir checkpoints: round trip, last K + best retention, damaged fallback, mismatch."""
+"""Workdir checkpoints: round trip, last K + best retention, damaged fallback, mismatch,
+and the software record of a run."""
 
+import importlib.util
+import shutil
+import subprocess
 from pathlib import Path
 
 import jax
@@ -13,10 +17,14 @@ from transformer.checkpoints import (
     Checkpoints,
     average_params,
     checkpoint_steps,
+    environment_changes,
     load_run_config,
     restore_params,
     save_run_config,
+    software_environment,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _tiny_params(d_model: int = 32):
@@ -132,3 +140,38 @@ def test_average_params():
     b = {"w": np.array([3.0, 6.0], np.float32)}
     np.testing.assert_allclose(average_params([a, b])["w"], [2.0, 4.0])
     assert average_params([a])["w"].dtype == np.float32
+
+
+def test_software_environment_names_the_commit_and_the_package_versions():
+    environment = software_environment()
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    if head:  # a git checkout (CI clones one)
+        assert environment["code"] in (head, f"{head}-dirty")
+    assert environment["packages"]["jax"] == jax.__version__
+    assert environment["packages"]["numpy"] == np.__version__
+
+
+def test_an_installed_copy_inside_another_git_checkout_records_no_commit(tmp_path):
+    # e.g. a virtual environment's site-packages inside the user's own project repository
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=u", "-c", "user.email=u@example.com"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "their project"], check=True)
+    copy = tmp_path / "site-packages" / "transformer" / "checkpoints.py"
+    copy.parent.mkdir(parents=True)
+    shutil.copy(REPO / "transformer" / "checkpoints.py", copy)
+    spec = importlib.util.spec_from_file_location("installed_checkpoints", copy)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.software_environment()["code"] is None
+
+
+def test_environment_changes_name_what_differs():
+    before = software_environment()
+    now = {**before, "packages": {**before["packages"], "jaxlib": "9.9.9"}, "code": "abc"}
+    assert environment_changes(before, before) == []
+    assert environment_changes(before, now) == [
+        f"jaxlib {before['packages']['jaxlib']} -> 9.9.9",
+        f"code {before['code']} -> abc",
+    ]

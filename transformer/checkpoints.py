@@ -145,7 +145,10 @@ def load_run_config(workdir: str | os.PathLike) -> dict[str, Any]:
 
 
 def _code_revision() -> str | None:
-    """The git commit of this code (with "-dirty" if tracked files differ), or None outside git."""
+    """The git commit of this code (with "-dirty" if tracked files differ), or None outside git.
+
+    None too for an installed copy (site-packages), even inside some other git checkout.
+    """
     repo = str(Path(__file__).resolve().parents[1])
 
     def git(*args: str) -> str:
@@ -155,6 +158,8 @@ def _code_revision() -> str | None:
         return run.stdout.strip()
 
     try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != Path(repo):
+            return None
         commit = git("rev-parse", "HEAD")
         changed = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
