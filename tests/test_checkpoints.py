@@ -151,6 +151,14 @@ def test_software_environment_names_the_commit_and_the_package_versions():
         assert environment["code"] in (head, f"{head}-dirty")
     assert environment["packages"]["jax"] == jax.__version__
     assert environment["packages"]["numpy"] == np.__version__
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():  # Linux: the model name, and the vector width XLA compiles for
+        lines = cpuinfo.read_text().splitlines()
+        name = next(x for x in lines if x.startswith("model name")).split(":", 1)[1].strip()
+        assert environment["cpu"].startswith(f"{name}, family ")
+        flags = next(x for x in lines if x.startswith("flags")).split()
+        if "avx2" in flags:
+            assert environment["cpu"].endswith(", AVX-512" if "avx512f" in flags else ", AVX2")
 
 
 def test_an_installed_copy_inside_another_git_checkout_records_no_commit(tmp_path):

@@ -168,14 +168,32 @@ def _code_revision() -> str | None:
 
 
 def _cpu_model() -> str | None:
+    """e.g. "AMD EPYC, family 25 model 17, AVX-512" (Linux), else `platform.processor()`.
+
+    Family, model and vector width, since hosts behind one model name differ, and XLA and
+    its matmul kernels pick code for the CPU they find.
+    """
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or None
+    if "model name" not in fields:
+        return platform.processor() or None
+    flags = fields.get("flags", "").split()
+    widest = next(
+        (name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags),
+        None,
+    )
+    parts = [fields["model name"]]
+    if "cpu family" in fields and "model" in fields:
+        parts.append(f"family {fields['cpu family']} model {fields['model']}")
+    return ", ".join(parts + ([widest] if widest else []))
 
 
 def software_environment() -> dict[str, Any]:
