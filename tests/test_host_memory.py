@@ -46,8 +46,8 @@ def _faults_per_call(mode: str) -> float:
     The median, since with freed memory kept the heap still grows by a whole scratch
     buffer now and then, at random calls, before it holds enough room: a call that grows
     it faults as many pages as a call without the setting. In 20 processes here 0 to 4 of
-    the 30 calls did (with 10 calls, once in about a dozen runs 5 or more did, and the
-    median then measured a growing heap, not a reused one); the other calls faulted none.
+    the 30 calls did, and the other calls faulted none; over 10 calls, the test's first
+    length, it failed about once in a dozen runs.
     """
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, mode],
