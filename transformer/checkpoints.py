@@ -228,10 +228,11 @@ def environment_changes(before: dict[str, Any], now: dict[str, Any]) -> list[str
     Returns:
       e.g. ["jaxlib 0.10.2 -> 0.10.3", "code abc -> def"]; empty if none.
     """
+    old = before.get("packages", {})
     changes = [
-        f"{name} {before.get('packages', {}).get(name)} -> {version}"
+        f"{name} {old.get(name)} -> {version}"
         for name, version in now["packages"].items()
-        if before.get("packages", {}).get(name) != version
+        if old.get(name) != version
     ]
     for key in ("code", "python", "devices"):
         if before.get(key) != now[key]:
