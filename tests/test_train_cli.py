@@ -7,6 +7,7 @@ train step (same tiny model, same recipe, one batch shape); the SIGTERM,
 """
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -147,17 +148,24 @@ def test_damaged_latest_checkpoint_is_reported_and_the_one_before_used(
     _params_equal(restore_params(tmp_path, 12)[0], restore_params(straight_run, 12)[0])
 
 
-def test_cooldown_ends_the_run_at_a_learning_rate_near_zero(slice_dir, tmp_path):
+@pytest.mark.parametrize("shape", ["linear", "sqrt"])
+def test_cooldown_ends_the_run_at_a_learning_rate_near_zero(slice_dir, tmp_path, shape):
     extra = ["--steps", "8", "--cooldown", "0.5", "--log-every", "1", "--checkpoint-every", "8"]
+    if shape != "linear":
+        extra += ["--cooldown-shape", shape]
     assert train.main(_flags(slice_dir, tmp_path, *extra)) == 0
-    assert load_run_config(tmp_path)["train"]["cooldown"] == 0.5
+    saved = load_run_config(tmp_path)["train"]
+    assert (saved["cooldown"], saved["cooldown_shape"]) == (0.5, shape)
     lr = {r["step"]: r["lr"] for r in read_metrics(tmp_path) if "lr" in r}
 
     def paper(step):  # --preset tiny (d_model 32), --warmup-steps 10, --lr-scale 0.5
         return 0.5 * 32**-0.5 * min(step**-0.5, step * 10**-1.5)
 
-    # The paper's rate for steps 1-4, then x 4/4, 3/4, 2/4, 1/4 over the last 4 of 8.
-    expected = [paper(s) * min(1.0, (9 - s) / 4) for s in range(1, 9)]
+    # The paper's rate for steps 1-4, then x 4/4, 3/4, 2/4, 1/4 over the last 4 of 8
+    # (linear), or x 1 - sqrt(0/4), 1 - sqrt(1/4), ... (sqrt).
+    left = [min(1.0, (9 - s) / 4) for s in range(1, 9)]
+    factor = left if shape == "linear" else [1 - math.sqrt(1 - x) for x in left]
+    expected = [paper(s) * f for s, f in zip(range(1, 9), factor, strict=True)]
     np.testing.assert_allclose([lr[s] for s in range(1, 9)], expected, rtol=1e-5)
 
 

@@ -76,6 +76,30 @@ def test_cooldown_falls_linearly_to_zero_over_the_last_steps():
         learning_rate_schedule(d_model, warmup, cooldown=0.2)
 
 
+def test_sqrt_cooldown_falls_as_one_minus_the_root_of_its_progress():
+    d_model, warmup, total = 256, 100, 1000
+    paper = learning_rate_schedule(d_model, warmup)
+    linear = learning_rate_schedule(d_model, warmup, total_steps=total, cooldown=0.2)
+    cooled = learning_rate_schedule(
+        d_model, warmup, total_steps=total, cooldown=0.2, cooldown_shape="sqrt"
+    )
+    for count in (0, 99, 500, 799, 800):  # the same rate as the paper's before the cooldown
+        assert float(cooled(count)) == float(linear(count))
+    for count in (801, 850, 900, 999):
+        progress = 1.0 - (total - count) / 200  # x: the fraction of the cooldown done
+        expected = float(paper(count)) * (1.0 - np.sqrt(progress))
+        np.testing.assert_allclose(float(cooled(count)), expected, rtol=1e-5)
+        assert float(cooled(count)) < float(linear(count))  # below the line all the way down
+    assert float(cooled(total - 1)) > 0.0
+    assert float(cooled(total)) == 0.0
+    with pytest.raises(ValueError, match="cooldown_shape"):
+        learning_rate_schedule(
+            d_model, warmup, total_steps=total, cooldown=0.2, cooldown_shape="cosine"
+        )
+    with pytest.raises(ValueError, match="cooldown_shape"):
+        TrainConfig(steps=10, cooldown_shape="cosine")
+
+
 def test_optimizer_is_adam_with_the_papers_betas_and_optional_clipping():
     params = {"w": jnp.ones(3)}
     grads = {"w": jnp.array([300.0, 400.0, 0.0])}

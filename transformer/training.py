@@ -50,6 +50,9 @@ Batch = dict[str, np.ndarray]
 AXIS = "devices"
 
 
+COOLDOWN_SHAPES = ("linear", "sqrt")
+
+
 class NonFiniteLossError(Exception):
     """The training loss became NaN or infinite; str() is a one-line message."""
 
@@ -64,7 +67,10 @@ class TrainConfig:
       warmup_steps: the paper's warmup (4000 for WMT).
       learning_rate_scale: factor on the paper's learning rate.
       cooldown: fraction of the total steps, at the end, over which the
-        learning rate falls linearly to zero; 0 keeps the paper's schedule.
+        learning rate falls to zero; 0 keeps the paper's schedule.
+      cooldown_shape: how it falls: "linear" (factor 1 - x at a fraction x of
+        the cooldown) or "sqrt" (1 - sqrt(x): a quicker drop, then a longer
+        stretch at a low rate).
       label_smoothing: epsilon_ls; the target distribution puts 1 - eps on the
         reference token and eps spread uniformly over the whole vocabulary.
       grad_clip_norm: clip the global gradient norm to this; None disables.
@@ -87,6 +93,7 @@ class TrainConfig:
     warmup_steps: int = 4000
     learning_rate_scale: float = 1.0
     cooldown: float = 0.0
+    cooldown_shape: str = "linear"
     label_smoothing: float = 0.1
     grad_clip_norm: float | None = None
     adam_b1: float = 0.9
@@ -112,6 +119,11 @@ class TrainConfig:
             raise ValueError(f"warmup_steps must be >= 1, got {self.warmup_steps}")
         if not 0.0 <= self.cooldown <= 1.0:
             raise ValueError(f"cooldown must be in [0, 1], got {self.cooldown}")
+        if self.cooldown_shape not in COOLDOWN_SHAPES:
+            raise ValueError(
+                f"cooldown_shape must be one of {', '.join(COOLDOWN_SHAPES)}, "
+                f"got {self.cooldown_shape!r}"
+            )
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         for name in ("log_every", "checkpoint_every", "keep_checkpoints"):
@@ -142,6 +154,7 @@ def learning_rate_schedule(
     *,
     total_steps: int | None = None,
     cooldown: float = 0.0,
+    cooldown_shape: str = "linear",
 ) -> optax.Schedule:
     """The paper's learning rate (section 5.3), as an Optax schedule, with an optional cooldown.
 
@@ -152,20 +165,25 @@ def learning_rate_schedule(
     count + 1 and never divides by zero.
 
     With `cooldown` > 0 the rate is also multiplied by a factor that falls
-    linearly from 1 to 0 over the last `cooldown * total_steps` updates (the
-    last update still gets a small positive rate). A run of fixed length
-    then ends at a low rate instead of the inverse square root's.
+    from 1 to 0 over the last `cooldown * total_steps` updates (the last
+    update still gets a small positive rate): 1 - x at a fraction x of the
+    cooldown ("linear"), or 1 - sqrt(x) ("sqrt", the "1-sqrt" cooldown of
+    Hagele et al., 2024). A run of fixed length then ends at a low rate
+    instead of the inverse square root's.
 
     Args:
       d_model: the model width.
       warmup_steps: steps of linear warmup.
       scale: a factor on the whole formula.
       total_steps: updates in the whole run (needed with a cooldown).
-      cooldown: fraction of `total_steps`, at the end, of linear decay to 0.
+      cooldown: fraction of `total_steps`, at the end, of decay to 0.
+      cooldown_shape: "linear" or "sqrt" (see above).
 
     Returns:
       A function from the update count (0-based) to the learning rate.
     """
+    if cooldown_shape not in COOLDOWN_SHAPES:
+        raise ValueError(f"cooldown_shape must be one of {COOLDOWN_SHAPES}, got {cooldown_shape!r}")
     cooldown_steps = 0
     if cooldown > 0.0:
         if total_steps is None or total_steps < 1:
@@ -179,7 +197,8 @@ def learning_rate_schedule(
         )
         if cooldown_steps:
             remaining = total_steps + 1.0 - step  # updates left, this one included
-            rate = rate * jnp.clip(remaining / cooldown_steps, 0.0, 1.0)
+            left = jnp.clip(remaining / cooldown_steps, 0.0, 1.0)  # 1 - x
+            rate = rate * (left if cooldown_shape == "linear" else 1.0 - jnp.sqrt(1.0 - left))
         return rate
 
     return schedule
@@ -193,6 +212,7 @@ def _config_schedule(config: TrainConfig, d_model: int) -> optax.Schedule:
         config.learning_rate_scale,
         total_steps=config.steps,
         cooldown=config.cooldown,
+        cooldown_shape=config.cooldown_shape,
     )
 
 
@@ -931,6 +951,7 @@ def _recipe(config: TrainConfig, total_steps: int | None) -> TrainConfig:
         warmup_steps=config.warmup_steps,
         learning_rate_scale=config.learning_rate_scale,
         cooldown=config.cooldown,
+        cooldown_shape=config.cooldown_shape,
         label_smoothing=config.label_smoothing,
         grad_clip_norm=config.grad_clip_norm,
         adam_b1=config.adam_b1,

@@ -1,0 +1,82 @@
+"""Forks a training run at a checkpoint, to try other end-of-run settings paired on one run.
+
+  python benchmarks/fork_run.py runs/base runs/fork --step 9000
+  python train.py --workdir runs/fork --cooldown-shape sqrt     # resumes at 9000
+
+The fork is a copy of the workdir without the checkpoints after `--step` (and
+without their metric lines, which train.py drops on resume). Resume is exact,
+so resuming the fork with the same flags repeats the base run to the last
+digit, and resuming it with settings that only differ after `--step` (a
+cooldown that starts later, its shape) gives exactly the run those settings
+would make from scratch, for the cost of the steps after `--step`. Two such
+forks differ only by what was changed, not by a seed: the comparison is paired.
+
+`--dropout-key N` gives the fork another dropout key (that of `--seed N`), and
+so other dropout masks after `--step`, with everything else the same: how far
+a score moves with that alone is the noise floor of a paired comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+
+def fork(source: Path, destination: Path, step: int, dropout_key: int | None = None) -> list[int]:
+    """Copies `source` into `destination` with the checkpoints up to `step` only.
+
+    Args:
+      source: a train.py workdir holding a checkpoint at `step`.
+      destination: a new directory (must not exist).
+      step: the checkpoint the fork resumes from.
+      dropout_key: if given, the fork's dropout key becomes that of `--seed dropout_key`.
+
+    Returns:
+      The checkpoint steps of the fork.
+
+    Raises:
+      ValueError: no checkpoint at `step`, or `destination` exists.
+    """
+    checkpoints = source / "checkpoints"
+    steps = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    if step not in steps:
+        raise ValueError(f"{checkpoints} has no checkpoint {step} (it has {steps})")
+    if destination.exists():
+        raise ValueError(f"{destination} exists; give a new directory")
+    later = {str(s) for s in steps if s > step}
+    shutil.copytree(
+        source, destination, ignore=lambda d, names: later if Path(d) == checkpoints else []
+    )
+    if dropout_key is not None:
+        import jax
+
+        # transformer.training.create_train_state splits PRNGKey(seed) into (init, dropout).
+        key = jax.random.split(jax.random.PRNGKey(dropout_key))[1]
+        meta_path = destination / "checkpoints" / str(step) / "meta" / "metadata"
+        meta = json.loads(meta_path.read_text())
+        meta["rng"] = [int(x) for x in jax.device_get(key).ravel()]
+        meta_path.write_text(json.dumps(meta))
+    return [s for s in steps if s <= step]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("source", type=Path, help="the workdir to fork")
+    p.add_argument("destination", type=Path, help="the new workdir")
+    p.add_argument("--step", type=int, required=True, help="the checkpoint to resume from")
+    p.add_argument("--dropout-key", type=int, help="another dropout key: that of --seed N")
+    args = p.parse_args(argv)
+    try:
+        kept = fork(args.source, args.destination, args.step, args.dropout_key)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.destination}: checkpoints {kept[0]}..{kept[-1]}; resume it with train.py")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

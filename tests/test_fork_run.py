@@ -1,0 +1,64 @@
+"""A fork of a run resumes to exactly the run it was forked from, unless told otherwise."""
+
+import jax
+import numpy as np
+
+import train
+from benchmarks.fork_run import main as fork_main
+from transformer.checkpoints import checkpoint_steps, restore_params
+
+
+def _flags(data_dir, workdir, *extra):
+    return [
+        "--workdir", str(workdir),
+        "--dataset", "files", "--data-dir", str(data_dir),
+        "--preset", "tiny", "--vocab-size", "400", "--max-len", "64",
+        "--max-tokens", "1024", "--max-shapes", "1", "--steps", "8",
+        "--warmup-steps", "4", "--cooldown", "0.5",
+        "--log-every", "4", "--checkpoint-every", "4", "--keep-checkpoints", "5",
+        "--eval-every", "0", "--bleu-every", "0", "--no-progress",
+        *extra,
+    ]  # fmt: skip
+
+
+def _leaves(workdir, step):
+    return jax.tree.leaves(restore_params(workdir, step)[0])
+
+
+def test_a_fork_resumes_to_the_base_run_and_a_changed_fork_differs(multi30k_slice, tmp_path):
+    data_dir = multi30k_slice(n=300)
+    base = tmp_path / "base"
+    assert train.main(_flags(data_dir, base)) == 0
+    assert checkpoint_steps(base) == [4, 8]
+
+    same = tmp_path / "same"
+    assert fork_main([str(base), str(same), "--step", "4"]) == 0
+    assert checkpoint_steps(same) == [4]
+    assert train.main(_flags(data_dir, same)) == 0
+    for x, y in zip(_leaves(base, 8), _leaves(same, 8), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+    # Another cooldown shape, or other dropout masks: the same up to step 4, not after.
+    for name, fork_extra, train_extra in (
+        ("sqrt", [], ["--cooldown-shape", "sqrt"]),
+        ("key", ["--dropout-key", "1"], []),
+    ):
+        other = tmp_path / name
+        assert fork_main([str(base), str(other), "--step", "4", *fork_extra]) == 0
+        assert train.main(_flags(data_dir, other, *train_extra)) == 0
+        for x, y in zip(_leaves(base, 4), _leaves(other, 4), strict=True):
+            np.testing.assert_array_equal(x, y)
+        assert any(
+            not np.array_equal(x, y)
+            for x, y in zip(_leaves(base, 8), _leaves(other, 8), strict=True)
+        ), name
+
+
+def test_fork_errors_are_one_line(tmp_path, capsys):
+    (tmp_path / "run" / "checkpoints" / "4").mkdir(parents=True)
+    assert fork_main([str(tmp_path / "run"), str(tmp_path / "fork"), "--step", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "no checkpoint 8" in err
+    assert not (tmp_path / "fork").exists()
+    assert fork_main([str(tmp_path / "run"), str(tmp_path / "run"), "--step", "4"]) == 2
+    assert "exists" in capsys.readouterr().err
