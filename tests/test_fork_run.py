@@ -5,6 +5,7 @@ import numpy as np
 
 import train
 from benchmarks.fork_run import main as fork_main
+from benchmarks.soup import soup_params
 from transformer.checkpoints import checkpoint_steps, restore_params
 
 
@@ -52,6 +53,13 @@ def test_a_fork_resumes_to_the_base_run_and_a_changed_fork_differs(multi30k_slic
             not np.array_equal(x, y)
             for x, y in zip(_leaves(base, 8), _leaves(other, 8), strict=True)
         ), name
+
+    # A soup of a run and its exact repeat is the run's own average; of two branches, between.
+    for x, y in zip(_leaves(base, 8), jax.tree.leaves(soup_params([base, same], 1)), strict=True):
+        np.testing.assert_array_equal(x, y)
+    mixed = jax.tree.leaves(soup_params([base, tmp_path / "key"], 1))
+    for x, y, z in zip(_leaves(base, 8), _leaves(tmp_path / "key", 8), mixed, strict=True):
+        np.testing.assert_allclose(z, (x.astype(np.float64) + y) / 2, rtol=1e-6, atol=1e-7)
 
 
 def test_fork_errors_are_one_line(tmp_path, capsys):
