@@ -15,9 +15,15 @@ import argparse
 import sys
 from pathlib import Path
 
-import evaluate
-from transformer.checkpoints import average_params, checkpoint_steps, restore_params
-from transformer.translate import detokenize, encode_sources, load_run, translate_ids
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import evaluate  # noqa: E402
+from transformer.checkpoints import (  # noqa: E402
+    average_params,
+    checkpoint_steps,
+    restore_params,
+)
+from transformer.translate import detokenize, encode_sources, load_run, translate_ids  # noqa: E402
 
 
 def soup_params(workdirs: list[Path], last: int):
