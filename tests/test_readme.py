@@ -30,3 +30,22 @@ def test_readme_states_the_evaluation_defaults():
     k = evaluate.DEFAULT_AVERAGE_LAST
     stated = f"last {k} averaged, beam {args.beam}, alpha {args.alpha:g}"
     assert example.endswith(stated), f"README says {example!r}, evaluate.py {stated!r}"
+
+
+def test_readme_states_the_training_defaults():
+    import train
+
+    start = README.index("**Multi30k, default settings**")
+    stated = " ".join(README[start : README.index("```", start)].split())
+    t, d = train.TRAIN_DEFAULTS, train.DATA_DEFAULTS
+    shape = {"linear": "linearly", "sqrt": "by 1 - sqrt(x)"}[t["cooldown_shape"]]
+    for phrase in (
+        f"`{train.DEFAULT_PRESET}` preset",
+        f"shared {d['vocab_size']}-piece {d['tokenizer_type'].upper()} vocabulary",
+        f"{t['epochs']} epochs",
+        f"at most {d['max_tokens']} padded tokens",
+        f"warmup {t['warmup_steps']},",
+        f"{shape} to 0 over the last {round(t['cooldown'] * 100)}% of the steps",
+        f"a checkpoint every {t['checkpoint_every']} steps",
+    ):
+        assert phrase in stated, f"the README's default settings do not say {phrase!r}"
