@@ -15,10 +15,15 @@ import argparse
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import evaluate  # noqa: E402
+from data import DataError  # noqa: E402
 from transformer.checkpoints import (  # noqa: E402
+    CheckpointError,
     average_params,
     checkpoint_steps,
     restore_params,
@@ -26,24 +31,58 @@ from transformer.checkpoints import (  # noqa: E402
 from transformer.translate import detokenize, encode_sources, load_run, translate_ids  # noqa: E402
 
 
+def _shapes(tree):
+    return jax.tree.structure(tree), [np.shape(x) for x in jax.tree.leaves(tree)]
+
+
 def soup_params(workdirs: list[Path], last: int):
-    """The average of the last `last` checkpoints of every workdir (all weighted alike)."""
+    """The average of the last `last` checkpoints of every workdir (all weighted alike).
+
+    Raises:
+      CheckpointError: a workdir has no checkpoint, or its parameters are not
+        the shapes of the first workdir's (not a branch of the same run).
+    """
     params = []
     for workdir in workdirs:
-        for step in checkpoint_steps(workdir)[-last:]:
-            params.append(restore_params(workdir, step)[0])
+        steps = checkpoint_steps(workdir)
+        if not steps:
+            raise CheckpointError(f"{workdir}: no checkpoints; give workdirs that train.py wrote")
+        for step in steps[-last:]:
+            tree = restore_params(workdir, step, log=lambda _: None)[0]
+            if params and _shapes(tree) != _shapes(params[0]):
+                raise CheckpointError(
+                    f"{workdir}: its parameters are not shaped like {workdirs[0]}'s; "
+                    "a soup needs branches of one run (benchmarks/fork_run.py)"
+                )
+            params.append(tree)
     return average_params(params)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("workdirs", nargs="+", type=Path)
-    p.add_argument("--average-last", type=int, default=evaluate.DEFAULT_AVERAGE_LAST)
+    p = argparse.ArgumentParser(
+        prog="soup.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Every other flag is evaluate.py's (see python evaluate.py --help).",
+    )
+    p.add_argument("workdirs", nargs="+", type=Path, help="train.py workdirs: branches of one run")
+    p.add_argument(
+        "--average-last",
+        type=int,
+        default=evaluate.DEFAULT_AVERAGE_LAST,
+        help=f"checkpoints taken from the end of each workdir [{evaluate.DEFAULT_AVERAGE_LAST}]",
+    )
     args, rest = p.parse_known_args(argv)
+    if args.average_last < 1:
+        p.error(f"--average-last must be >= 1, got {args.average_last}")
     ev_args = evaluate.parse_args(["--workdir", str(args.workdirs[0]), *rest])
-    run = load_run(args.workdirs[0], average_last=1)
-    params = soup_params(args.workdirs, args.average_last)
-    sources, references, name = evaluate.load_sources_and_references(ev_args, run)
+    try:
+        run = load_run(args.workdirs[0], average_last=1)
+        params = soup_params(args.workdirs, args.average_last)
+        sources, references, name = evaluate.load_sources_and_references(ev_args, run)
+    except (CheckpointError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     tok = run.tokenizer
     ids = translate_ids(
         run.model,

@@ -1,12 +1,17 @@
 """A fork of a run resumes to exactly the run it was forked from, unless told otherwise."""
 
+from pathlib import Path
+
 import jax
 import numpy as np
+import pytest
 
 import train
+from benchmarks import soup
 from benchmarks.fork_run import main as fork_main
+from benchmarks.soup import main as soup_main
 from benchmarks.soup import soup_params
-from transformer.checkpoints import checkpoint_steps, restore_params
+from transformer.checkpoints import CheckpointError, checkpoint_steps, restore_params
 
 
 def _flags(data_dir, workdir, *extra):
@@ -70,3 +75,19 @@ def test_fork_errors_are_one_line(tmp_path, capsys):
     assert not (tmp_path / "fork").exists()
     assert fork_main([str(tmp_path / "run"), str(tmp_path / "run"), "--step", "4"]) == 2
     assert "exists" in capsys.readouterr().err
+
+
+def test_soup_refuses_workdirs_it_cannot_average_in_one_line(tmp_path, capsys, monkeypatch):
+    (tmp_path / "empty").mkdir()
+    assert soup_main([str(tmp_path / "empty"), str(tmp_path / "empty"), "--split", "val"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and str(tmp_path / "empty") in err
+
+    # Two "runs" whose parameters differ in shape: not branches of one run.
+    trees = {"a": {"w": np.zeros((2, 3))}, "b": {"w": np.zeros((3, 3))}}
+    monkeypatch.setattr(soup, "checkpoint_steps", lambda w: [4, 8])
+    monkeypatch.setattr(soup, "restore_params", lambda w, step, log: (trees[Path(w).name], step))
+    same = soup.soup_params([Path("a"), Path("a")], 2)
+    np.testing.assert_array_equal(same["w"], np.zeros((2, 3)))
+    with pytest.raises(CheckpointError, match="not shaped like a's"):
+        soup.soup_params([Path("a"), Path("b")], 2)
