@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -266,14 +267,17 @@ def _load_run(args: argparse.Namespace) -> Run:
     return load_run(args.workdir, average_last=min(DEFAULT_AVERAGE_LAST, available))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(
+    argv: list[str] | None = None, *, load: Callable[[argparse.Namespace], Run] = _load_run
+) -> int:
+    """The command line; `load` gives the parameters to decode with (benchmarks/soup.py's own)."""
     args = parse_args(argv)
     keep_freed_host_memory()  # before the first computation starts XLA's threads
     try:
         _check_args(args)
         if args.plot_curve:
             return plot_curve(args.workdir, args.plot_curve)
-        run = _load_run(args)
+        run = load(args)
         sources, references, name = load_sources_and_references(args, run)
         log = print if not args.translate else lambda *a: print(*a, file=sys.stderr)
         search = "greedy" if args.greedy else f"beam {args.beam}, alpha {args.alpha}"

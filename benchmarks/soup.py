@@ -21,14 +21,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import evaluate  # noqa: E402
-from data import DataError  # noqa: E402
 from transformer.checkpoints import (  # noqa: E402
     CheckpointError,
     average_params,
     checkpoint_steps,
     restore_params,
 )
-from transformer.translate import detokenize, encode_sources, load_run, translate_ids  # noqa: E402
+from transformer.translate import load_run  # noqa: E402
 
 
 def _shapes(tree):
@@ -73,37 +72,16 @@ def main(argv: list[str] | None = None) -> int:
         help=f"checkpoints taken from the end of each workdir [{evaluate.DEFAULT_AVERAGE_LAST}]",
     )
     args, rest = p.parse_known_args(argv)
-    if args.average_last < 1:
-        p.error(f"--average-last must be >= 1, got {args.average_last}")
-    ev_args = evaluate.parse_args(["--workdir", str(args.workdirs[0]), *rest])
-    try:
-        run = load_run(args.workdirs[0], average_last=1)
-        params = soup_params(args.workdirs, args.average_last)
-        sources, references, name = evaluate.load_sources_and_references(ev_args, run)
-    except (CheckpointError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    tok = run.tokenizer
-    ids = translate_ids(
-        run.model,
-        params,
-        encode_sources(tok, sources),
-        bos_id=tok.bos_id,
-        eos_id=tok.eos_id,
-        pad_id=tok.pad_id,
-        greedy=ev_args.greedy,
-        beam_size=ev_args.beam,
-        alpha=ev_args.alpha,
-        max_extra_len=ev_args.max_extra_len,
-        max_tokens=ev_args.max_tokens,
-        progress=False,
-    )
     dirs = " + ".join(str(w) for w in args.workdirs)
-    search = "greedy" if ev_args.greedy else f"beam {ev_args.beam}, alpha {ev_args.alpha}"
-    print(f"{dirs}: the last {args.average_last} of each; {name}; {search}")
-    for line in evaluate.score(detokenize(tok, ids), references):
-        print(line)
-    return 0
+
+    def load(ev_args):  # the first workdir's model and tokenizer, with the soup's parameters
+        k = ev_args.average_last
+        run = load_run(args.workdirs[0], checkpoint="last")
+        soup = soup_params(args.workdirs, k)
+        return run._replace(params=soup, checkpoint=f"the last {k} checkpoints of each of {dirs}")
+
+    first = ["--workdir", str(args.workdirs[0]), "--average-last", str(args.average_last)]
+    return evaluate.main([*first, *rest], load=load)
 
 
 if __name__ == "__main__":
