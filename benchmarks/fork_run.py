@@ -24,6 +24,8 @@ import shutil
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 
 def fork(source: Path, destination: Path, step: int, dropout_key: int | None = None) -> list[int]:
     """Copies `source` into `destination` with the checkpoints up to `step` only.
@@ -53,8 +55,9 @@ def fork(source: Path, destination: Path, step: int, dropout_key: int | None = N
     if dropout_key is not None:
         import jax
 
-        # transformer.training.create_train_state splits PRNGKey(seed) into (init, dropout).
-        key = jax.random.split(jax.random.PRNGKey(dropout_key))[1]
+        from transformer.training import seed_keys
+
+        key = seed_keys(dropout_key)[1]
         meta_path = destination / "checkpoints" / str(step) / "meta" / "metadata"
         meta = json.loads(meta_path.read_text())
         meta["rng"] = [int(x) for x in jax.device_get(key).ravel()]

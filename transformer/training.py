@@ -288,6 +288,12 @@ class TrainState:
     rng: jax.Array
 
 
+def seed_keys(seed: int) -> tuple[jax.Array, jax.Array]:
+    """The two independent keys of a run's seed: (parameter init, dropout)."""
+    init_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
+    return init_key, dropout_key
+
+
 def create_train_state(
     model: Transformer, optimizer: optax.GradientTransformation, seed: int
 ) -> TrainState:
@@ -301,7 +307,7 @@ def create_train_state(
     Returns:
       The state at step 0, as host numpy arrays.
     """
-    init_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
+    init_key, dropout_key = seed_keys(seed)
     tokens_BL = jnp.ones((1, 2), jnp.int32)
     params = _jitted_init(model)(init_key, tokens_BL, tokens_BL)["params"]
     state = TrainState(
