@@ -148,7 +148,13 @@ def test_damaged_latest_checkpoint_is_reported_and_the_one_before_used(
     _params_equal(restore_params(tmp_path, 12)[0], restore_params(straight_run, 12)[0])
 
 
-@pytest.mark.parametrize("shape", ["linear", "sqrt"])
+def test_cooldown_shape_flag_offers_every_shape_the_schedule_has():
+    # train.py spells the choices out so that --help needs no JAX import; they must not drift.
+    flag = train.build_parser()._option_string_actions["--cooldown-shape"]
+    assert tuple(flag.choices) == training.COOLDOWN_SHAPES
+
+
+@pytest.mark.parametrize("shape", training.COOLDOWN_SHAPES)
 def test_cooldown_ends_the_run_at_a_learning_rate_near_zero(slice_dir, tmp_path, shape):
     extra = ["--steps", "8", "--cooldown", "0.5", "--log-every", "1", "--checkpoint-every", "8"]
     if shape != "linear":
