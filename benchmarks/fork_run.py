@@ -19,12 +19,21 @@ a score moves with that alone is the noise floor of a paired comparison.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from pathlib import Path
 
+import jax
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transformer.checkpoints import (  # noqa: E402
+    CheckpointError,
+    checkpoint_dir,
+    checkpoint_steps,
+    update_meta,
+)
+from transformer.training import seed_keys  # noqa: E402
 
 
 def fork(source: Path, destination: Path, step: int, dropout_key: int | None = None) -> list[int]:
@@ -42,8 +51,8 @@ def fork(source: Path, destination: Path, step: int, dropout_key: int | None = N
     Raises:
       ValueError: no checkpoint at `step`, or `destination` exists.
     """
-    checkpoints = source / "checkpoints"
-    steps = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    checkpoints = checkpoint_dir(source)
+    steps = checkpoint_steps(source)
     if step not in steps:
         raise ValueError(f"{checkpoints} has no checkpoint {step} (it has {steps})")
     if destination.exists():
@@ -53,15 +62,8 @@ def fork(source: Path, destination: Path, step: int, dropout_key: int | None = N
         source, destination, ignore=lambda d, names: later if Path(d) == checkpoints else []
     )
     if dropout_key is not None:
-        import jax
-
-        from transformer.training import seed_keys
-
         key = seed_keys(dropout_key)[1]
-        meta_path = destination / "checkpoints" / str(step) / "meta" / "metadata"
-        meta = json.loads(meta_path.read_text())
-        meta["rng"] = [int(x) for x in jax.device_get(key).ravel()]
-        meta_path.write_text(json.dumps(meta))
+        update_meta(destination, step, {"rng": [int(x) for x in jax.device_get(key).ravel()]})
     return [s for s in steps if s <= step]
 
 
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         kept = fork(args.source, args.destination, args.step, args.dropout_key)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{args.destination}: checkpoints {kept[0]}..{kept[-1]}; resume it with train.py")

@@ -22,6 +22,7 @@ from transformer.checkpoints import (
     restore_params,
     save_run_config,
     software_environment,
+    update_meta,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,6 +70,30 @@ def test_round_trip_keeps_structure_and_values(tmp_path, params):
         np.testing.assert_array_equal(a, b)
     only_params, step = restore_params(tmp_path, "last")
     assert step == 7 and jax.tree.structure(only_params) == jax.tree.structure(params)
+
+
+def test_update_meta_changes_what_a_resume_reads_and_nothing_else(tmp_path, params):
+    with Checkpoints(tmp_path, keep=2) as ckpts:
+        for step in (4, 8):
+            ckpts.save(step, params, _OPT, {"rng": [1, 2], "data": {"epoch": step}})
+    assert update_meta(tmp_path, 4, {"rng": [5, 6]}) == {
+        "rng": [5, 6],
+        "data": {"epoch": 4},
+        "step": 4,
+    }
+    with Checkpoints(tmp_path, keep=2) as ckpts:
+        assert ckpts.steps() == [4, 8]
+        assert ckpts.restore(4, params, _OPT).meta == {
+            "rng": [5, 6],
+            "data": {"epoch": 4},
+            "step": 4,
+        }
+        restored = ckpts.restore(8, params, _OPT)
+    assert restored.meta == {"rng": [1, 2], "data": {"epoch": 8}, "step": 8}
+    for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(CheckpointError, match="no checkpoint at step 5 .* available: 4, 8"):
+        update_meta(tmp_path, 5, {"rng": [0, 0]})
 
 
 def test_keeps_last_k_plus_best_and_finds_best(tmp_path, params):

@@ -37,12 +37,14 @@ def test_a_fork_resumes_to_the_base_run_and_a_changed_fork_differs(multi30k_slic
     assert train.main(_flags(data_dir, base)) == 0
     assert checkpoint_steps(base) == [4, 8]
 
-    same = tmp_path / "same"
-    assert fork_main([str(base), str(same), "--step", "4"]) == 0
-    assert checkpoint_steps(same) == [4]
-    assert train.main(_flags(data_dir, same)) == 0
-    for x, y in zip(_leaves(base, 8), _leaves(same, 8), strict=True):
-        np.testing.assert_array_equal(x, y)
+    # Unchanged, or given the dropout key the base run already had (that of its seed, 0).
+    for name, fork_extra in (("same", []), ("key0", ["--dropout-key", "0"])):
+        same = tmp_path / name
+        assert fork_main([str(base), str(same), "--step", "4", *fork_extra]) == 0
+        assert checkpoint_steps(same) == [4]
+        assert train.main(_flags(data_dir, same)) == 0
+        for x, y in zip(_leaves(base, 8), _leaves(same, 8), strict=True):
+            np.testing.assert_array_equal(x, y)
 
     # Another cooldown shape, or other dropout masks: the same up to step 4, not after.
     for name, fork_extra, train_extra in (
@@ -60,7 +62,9 @@ def test_a_fork_resumes_to_the_base_run_and_a_changed_fork_differs(multi30k_slic
         ), name
 
     # A soup of a run and its exact repeat is the run's own average; of two branches, between.
-    for x, y in zip(_leaves(base, 8), jax.tree.leaves(soup_params([base, same], 1)), strict=True):
+    for x, y in zip(
+        _leaves(base, 8), jax.tree.leaves(soup_params([base, tmp_path / "same"], 1)), strict=True
+    ):
         np.testing.assert_array_equal(x, y)
     mixed = jax.tree.leaves(soup_params([base, tmp_path / "key"], 1))
     for x, y, z in zip(_leaves(base, 8), _leaves(tmp_path / "key", 8), mixed, strict=True):

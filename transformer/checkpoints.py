@@ -500,6 +500,38 @@ def checkpoint_steps(workdir: str | os.PathLike) -> list[int]:
         return ckpts.steps()
 
 
+def update_meta(workdir: str | os.PathLike, step: int, changes: dict[str, Any]) -> dict[str, Any]:
+    """Rewrites entries of the JSON "meta" item of one finished checkpoint, in place.
+
+    For tools that resume a copy of a run with other state (another RNG key);
+    the arrays of the checkpoint are left as they are.
+
+    Args:
+      workdir: a directory written by train.py.
+      step: a step with a checkpoint there.
+      changes: JSON-serializable entries that replace (or join) the saved ones.
+
+    Returns:
+      The meta item as now saved.
+
+    Raises:
+      CheckpointError: no checkpoint at `step`.
+    """
+    steps = checkpoint_steps(workdir)
+    if step not in steps:
+        raise CheckpointError(
+            f"no checkpoint at step {step} in {checkpoint_dir(workdir)}; available: "
+            f"{', '.join(map(str, steps)) or 'none'}"
+        )
+    name_format = ocp.path.step.standard_name_format()  # the manager's default, used by save
+    item = ocp.path.step.build_step_path(checkpoint_dir(workdir), name_format, step) / "meta"
+    handler = ocp.JsonCheckpointHandler()
+    meta = {**handler.restore(item), **changes}
+    with _quiet_orbax():
+        handler.save(item, args=ocp.args.JsonSave(meta))
+    return meta
+
+
 def restore_params(
     workdir: str | os.PathLike,
     which: str | int = "best",
