@@ -27,7 +27,7 @@ from transformer.checkpoints import (  # noqa: E402
     checkpoint_steps,
     restore_params,
 )
-from transformer.translate import load_run  # noqa: E402
+from transformer.translate import Run, load_model  # noqa: E402
 
 
 def _shapes(tree):
@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def load(ev_args):  # the first workdir's model and tokenizer, with the soup's parameters
         k = ev_args.average_last
-        run = load_run(args.workdirs[0], checkpoint="last")
+        model, tokenizer, config = load_model(args.workdirs[0])
         soup = soup_params(args.workdirs, k)
-        return run._replace(params=soup, checkpoint=f"the last {k} checkpoints of each of {dirs}")
+        return Run(model, soup, tokenizer, config, f"the last {k} checkpoints of each of {dirs}")
 
     first = ["--workdir", str(args.workdirs[0]), "--average-last", str(args.average_last)]
     return evaluate.main([*first, *rest], load=load)

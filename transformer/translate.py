@@ -209,6 +209,31 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+def load_model(workdir: str | os.PathLike) -> tuple[Transformer, Tokenizer, dict[str, Any]]:
+    """Loads what a workdir says about its model, without any parameters.
+
+    Args:
+      workdir: a run directory written by train.py.
+
+    Returns:
+      (model, tokenizer, config): `Transformer` for the run's model config, its
+      SentencePiece model, and its config.json as a dict.
+
+    Raises:
+      checkpoints.CheckpointError: missing workdir or config.
+      data.DataError: missing or mismatched tokenizer.
+    """
+    config = checkpoints.load_run_config(workdir)
+    model_config = TransformerConfig.from_dict(config["model"])
+    tokenizer = Tokenizer.load(Path(workdir) / checkpoints.TOKENIZER_FILE)
+    if tokenizer.vocab_size != model_config.vocab_size:
+        raise DataError(
+            f"{tokenizer.path} has {tokenizer.vocab_size} pieces but the model in {workdir} "
+            f"expects {model_config.vocab_size}; the workdir is inconsistent"
+        )
+    return Transformer(model_config), tokenizer, config
+
+
 def load_run(
     workdir: str | os.PathLike,
     *,
@@ -232,14 +257,7 @@ def load_run(
       checkpoints.CheckpointError: missing workdir, config or checkpoint.
       data.DataError: missing or mismatched tokenizer.
     """
-    config = checkpoints.load_run_config(workdir)
-    model_config = TransformerConfig.from_dict(config["model"])
-    tokenizer = Tokenizer.load(Path(workdir) / checkpoints.TOKENIZER_FILE)
-    if tokenizer.vocab_size != model_config.vocab_size:
-        raise DataError(
-            f"{tokenizer.path} has {tokenizer.vocab_size} pieces but the model in {workdir} "
-            f"expects {model_config.vocab_size}; the workdir is inconsistent"
-        )
+    model, tokenizer, config = load_model(workdir)
     if average_last > 0:
         steps = checkpoints.checkpoint_steps(workdir)
         if len(steps) < average_last:
@@ -255,4 +273,4 @@ def load_run(
     else:
         params, step = checkpoints.restore_params(workdir, checkpoint, log=log)
         description = f"step {step}" + (f" ({checkpoint})" if isinstance(checkpoint, str) else "")
-    return Run(Transformer(model_config), params, tokenizer, config, description)
+    return Run(model, params, tokenizer, config, description)
