@@ -15,9 +15,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import jax
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import evaluate  # noqa: E402
@@ -26,12 +23,9 @@ from transformer.checkpoints import (  # noqa: E402
     average_params,
     checkpoint_steps,
     restore_params,
+    tree_shapes,
 )
 from transformer.translate import Run, load_model  # noqa: E402
-
-
-def _shapes(tree):
-    return jax.tree.structure(tree), [np.shape(x) for x in jax.tree.leaves(tree)]
 
 
 def soup_params(workdirs: list[Path], last: int):
@@ -48,7 +42,7 @@ def soup_params(workdirs: list[Path], last: int):
             raise CheckpointError(f"{workdir}: no checkpoints; give workdirs that train.py wrote")
         for step in steps[-last:]:
             tree = restore_params(workdir, step, log=lambda _: None)[0]
-            if params and _shapes(tree) != _shapes(params[0]):
+            if params and tree_shapes(tree) != tree_shapes(params[0]):
                 raise CheckpointError(
                     f"{workdir}: its parameters are not shaped like {workdirs[0]}'s; "
                     "a soup needs branches of one run (benchmarks/fork_run.py)"

@@ -263,7 +263,8 @@ def _best_metric(metrics: dict[str, float]) -> float:
     return float(metrics[BEST_METRIC])
 
 
-def _tree_paths_and_shapes(tree: PyTree) -> dict[str, tuple[int, ...]]:
+def tree_shapes(tree: PyTree) -> dict[str, tuple[int, ...]]:
+    """The shape of every leaf of a parameter pytree, by its path ("encoder/layer_0/...")."""
     leaves = jax.tree_util.tree_leaves_with_path(tree)
     return {
         jax.tree_util.keystr(path, simple=True, separator="/"): tuple(x.shape) for path, x in leaves
@@ -396,8 +397,8 @@ class Checkpoints:
         with _quiet_orbax():
             saved = self._manager.item_metadata(step)["params"]
         saved_tree = getattr(saved, "tree", saved)
-        got = _tree_paths_and_shapes(saved_tree)
-        want = _tree_paths_and_shapes(params_like)
+        got = tree_shapes(saved_tree)
+        want = tree_shapes(params_like)
         for name in sorted(set(got) | set(want)):
             if got.get(name) != want.get(name):
                 raise CheckpointError(
