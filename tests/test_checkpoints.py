@@ -76,18 +76,11 @@ def test_update_meta_changes_what_a_resume_reads_and_nothing_else(tmp_path, para
     with Checkpoints(tmp_path, keep=2) as ckpts:
         for step in (4, 8):
             ckpts.save(step, params, _OPT, {"rng": [1, 2], "data": {"epoch": step}})
-    assert update_meta(tmp_path, 4, {"rng": [5, 6]}) == {
-        "rng": [5, 6],
-        "data": {"epoch": 4},
-        "step": 4,
-    }
+    changed = {"rng": [5, 6], "data": {"epoch": 4}, "step": 4}
+    assert update_meta(tmp_path, 4, {"rng": [5, 6]}) == changed
     with Checkpoints(tmp_path, keep=2) as ckpts:
         assert ckpts.steps() == [4, 8]
-        assert ckpts.restore(4, params, _OPT).meta == {
-            "rng": [5, 6],
-            "data": {"epoch": 4},
-            "step": 4,
-        }
+        assert ckpts.restore(4, params, _OPT).meta == changed
         restored = ckpts.restore(8, params, _OPT)
     assert restored.meta == {"rng": [1, 2], "data": {"epoch": 8}, "step": 8}
     for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(params), strict=True):
