@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from sacrebleu.metrics import BLEU, CHRF
 
-from data import CorpusSpec, DataError, load_corpus, read_lines
+from data import CorpusSpec, DataError, load_corpus, read_aligned_lines, read_lines
 from transformer.checkpoints import CheckpointError, checkpoint_steps
 from transformer.host_memory import keep_freed_host_memory
 from transformer.translate import Run, detokenize, encode_sources, load_run, translate_ids
@@ -164,15 +164,9 @@ def load_sources_and_references(
             return read_lines(args.input), None, args.input
         return _read_stdin(), None, "stdin"
     if args.src_file:
-        sources = read_lines(args.src_file)
         if not args.ref_file:
-            return sources, None, args.src_file
-        references = read_lines(args.ref_file)
-        if len(references) != len(sources):
-            raise DataError(
-                f"{args.ref_file} has {len(references)} lines but {args.src_file} has "
-                f"{len(sources)}; line i of the reference must translate line i of the source"
-            )
+            return read_lines(args.src_file), None, args.src_file
+        sources, references = read_aligned_lines(args.src_file, args.ref_file)
         return sources, references, args.src_file
     d = run.config.get("data", {})
     spec = CorpusSpec(

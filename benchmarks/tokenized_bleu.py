@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sacrebleu  # noqa: E402
 
-from data import DataError, read_lines  # noqa: E402
+from data import DataError, read_aligned_lines  # noqa: E402
 
 
 def moses_prepare(lines: list[str], lang: str) -> list[str]:
@@ -71,16 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: this needs sacremoses: pip install sacremoses", file=sys.stderr)
         return 2
     try:
-        hyp, ref = read_lines(args.hypotheses), read_lines(args.references)
+        hyp, ref = read_aligned_lines(args.hypotheses, args.references)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    if len(hyp) != len(ref):
-        print(
-            f"error: {args.hypotheses} has {len(hyp)} lines and {args.references} {len(ref)}; "
-            "they must be aligned line by line",
-            file=sys.stderr,
-        )
         return 2
     print(f"{tokenized_bleu(hyp, ref, args.lang)} (lowercased, Moses-tokenized -a, {args.lang})")
     return 0

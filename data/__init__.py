@@ -21,7 +21,7 @@ from data.batching import (
 from data.errors import DataError
 from data.prefetch import Prefetcher, prefetch
 from data.sources import CleaningSummary, Corpus, CorpusSpec, load_corpus, read_parallel
-from data.text import normalize, read_lines
+from data.text import normalize, read_aligned_lines, read_lines
 from data.tokenizer import (
     DEFAULT_VOCAB_SIZE,
     Tokenizer,
@@ -47,6 +47,7 @@ __all__ = [
     "load_or_train_tokenizer",
     "normalize",
     "prefetch",
+    "read_aligned_lines",
     "read_lines",
     "read_parallel",
     "train_tokenizer",

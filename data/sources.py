@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from data.errors import DataError
-from data.text import is_junk, normalize, read_lines
+from data.text import is_junk, normalize, read_aligned_lines
 
 DATASETS = ("multi30k", "files", "tfds")
 
@@ -166,12 +166,7 @@ def read_parallel(
       DataError: a file is missing, not UTF-8, or the line counts differ
         (the message names both files and both counts).
     """
-    src_lines, tgt_lines = read_lines(src_path), read_lines(tgt_path)
-    if len(src_lines) != len(tgt_lines):
-        raise DataError(
-            f"parallel files differ in length: {src_path} has {len(src_lines)} lines, "
-            f"{tgt_path} has {len(tgt_lines)}; line i of one must translate line i of the other"
-        )
+    src_lines, tgt_lines = read_aligned_lines(src_path, tgt_path)
     name = f"{Path(src_path).name} / {Path(tgt_path).name}"
     corpus = clean_pairs(src_lines, tgt_lines, clean=clean, name=name)
     corpus.src_path, corpus.tgt_path = str(src_path), str(tgt_path)

@@ -112,3 +112,26 @@ def read_lines(path: str | os.PathLike) -> list[str]:
     if lines and lines[-1] == "":
         lines.pop()
     return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def read_aligned_lines(*paths: str | os.PathLike) -> list[list[str]]:
+    """Reads files whose line i go together (a source and its translation, ...).
+
+    Args:
+      *paths: the files, each read with :func:`read_lines`.
+
+    Returns:
+      Their lines, one list per file, all of one length.
+
+    Raises:
+      DataError: a file is missing, unreadable or not UTF-8, or the line counts
+        differ (the message names every file with its count).
+    """
+    columns = [read_lines(path) for path in paths]
+    if len({len(lines) for lines in columns}) > 1:
+        counts = ", ".join(f"{p} has {len(c)} lines" for p, c in zip(paths, columns, strict=True))
+        raise DataError(
+            f"files that must be aligned line by line differ in length: {counts}; "
+            "line i of each must go with line i of the others"
+        )
+    return columns

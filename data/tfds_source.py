@@ -69,14 +69,10 @@ def _folder_builder_class() -> type:
             return {split: self._generate_examples(split) for split in self._splits}
 
         def _generate_examples(self, split):
-            from data.text import read_lines
+            from data.text import read_aligned_lines
 
-            columns = [read_lines(self._root / f"{split}.{lang}") for lang in self._languages]
-            counts = {
-                f"{split}.{lang}": len(c) for lang, c in zip(self._languages, columns, strict=True)
-            }
-            if len(set(counts.values())) != 1:
-                raise DataError(f"parallel files in {self._root} differ in length: {counts}")
+            files = [self._root / f"{split}.{lang}" for lang in self._languages]
+            columns = read_aligned_lines(*files)
             for i, pair in enumerate(zip(*columns, strict=True)):
                 yield i, dict(zip(self._languages, pair, strict=True))
 

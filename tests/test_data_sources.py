@@ -84,6 +84,18 @@ def test_line_count_mismatch_names_both_files_and_counts(multi30k_slice):
     assert "300" in message and "297" in message
 
 
+def test_read_aligned_lines_gives_raw_lines_or_names_every_count(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    a.write_text("One  &amp; two\nthree\n")
+    b.write_text("eins und zwei\ndrei\n")
+    assert data.read_aligned_lines(a, b) == [["One  &amp; two", "three"], ["eins und zwei", "drei"]]
+    c.write_text("un\n")
+    with pytest.raises(data.DataError) as e:
+        data.read_aligned_lines(a, b, c)
+    message = one_line(e)
+    assert f"{a} has 2 lines, {b} has 2 lines, {c} has 1 lines" in message
+
+
 # --- cleaning ---
 
 
