@@ -1,0 +1,41 @@
+"""BPE-dropout's training data: the same sentences, segmented anew in every copy."""
+
+import dataclasses
+
+import data
+from benchmarks import bpe_dropout
+from benchmarks.bpe_dropout import encode_sampled_copies
+
+
+def test_every_copy_is_the_corpus_segmented_anew(multi30k_dir, multi30k_tokenizer, tmp_path):
+    train = data.load_corpus(data.CorpusSpec(data_dir=str(multi30k_dir)), "train")
+    corpus = dataclasses.replace(train, src=train.src[:200], tgt=train.tgt[:200])
+    plain = data.encode_corpus(multi30k_tokenizer, corpus)
+    sampled = encode_sampled_copies(multi30k_tokenizer, corpus, 3, 0.1, cache_dir=tmp_path)
+    assert len(sampled) == 3 * len(plain) == 600
+    for side, text in ((sampled.src, corpus.src), (sampled.tgt, corpus.tgt)):
+        assert [multi30k_tokenizer.decode(ids) for ids in side] == text * 3
+    lengths = [sum(map(len, sampled.tgt[i * 200 : (i + 1) * 200])) for i in range(3)]
+    assert min(lengths) > sum(map(len, plain.tgt)) and len(set(lengths)) == 3
+    # Cached under its own key: a resume reads these copies, and plain ids are not mistaken.
+    again = encode_sampled_copies(multi30k_tokenizer, corpus, 3, 0.1, cache_dir=tmp_path)
+    assert all((a == b).all() for a, b in zip(again.tgt, sampled.tgt, strict=True))
+    one = encode_sampled_copies(multi30k_tokenizer, corpus, 1, 0.1, cache_dir=tmp_path)
+    cached_plain = data.encode_corpus(multi30k_tokenizer, corpus, cache_dir=tmp_path)
+    assert sum(map(len, one.tgt)) > sum(map(len, cached_plain.tgt)) == sum(map(len, plain.tgt))
+
+
+def test_trains_on_the_copies_and_puts_encode_corpus_back(multi30k_slice, tmp_path, capsys):
+    flags = [
+        "--copies", "2", "--alpha", "0.1",
+        "--workdir", str(tmp_path / "run"), "--dataset", "files",
+        "--data-dir", str(multi30k_slice(n=300)), "--preset", "tiny", "--vocab-size", "400",
+        "--max-tokens", "1024", "--max-shapes", "1", "--steps", "2", "--warmup-steps", "1",
+        "--eval-every", "0", "--bleu-every", "0", "--no-progress",
+    ]  # fmt: skip
+    assert bpe_dropout.main(flags) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("bpe-dropout: 2 copies"))
+    pairs = int(line.split(": ")[2].split()[0])
+    assert f"data: {pairs} pairs encoded" in out and pairs % 2 == 0
+    assert data.encode_corpus is bpe_dropout.encode_corpus
