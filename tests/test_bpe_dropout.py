@@ -1,6 +1,7 @@
 """BPE-dropout's training data: the same sentences, segmented anew in every copy."""
 
 import dataclasses
+import re
 
 import data
 from benchmarks import bpe_dropout
@@ -10,18 +11,20 @@ from benchmarks.bpe_dropout import encode_sampled_copies
 def test_every_copy_is_the_corpus_segmented_anew(multi30k_dir, multi30k_tokenizer, tmp_path):
     train = data.load_corpus(data.CorpusSpec(data_dir=str(multi30k_dir)), "train")
     corpus = dataclasses.replace(train, src=train.src[:200], tgt=train.tgt[:200])
-    plain = data.encode_corpus(multi30k_tokenizer, corpus)
-    sampled = encode_sampled_copies(multi30k_tokenizer, corpus, 3, 0.1, cache_dir=tmp_path)
+    plain = data.encode_corpus(multi30k_tokenizer, corpus, max_len=None)
+    kw = dict(max_len=None, cache_dir=tmp_path)  # every pair kept, however long its sample
+    sampled = encode_sampled_copies(multi30k_tokenizer, corpus, 3, 0.1, **kw)
     assert len(sampled) == 3 * len(plain) == 600
     for side, text in ((sampled.src, corpus.src), (sampled.tgt, corpus.tgt)):
         assert [multi30k_tokenizer.decode(ids) for ids in side] == text * 3
-    lengths = [sum(map(len, sampled.tgt[i * 200 : (i + 1) * 200])) for i in range(3)]
-    assert min(lengths) > sum(map(len, plain.tgt)) and len(set(lengths)) == 3
+    copies = [[ids.tolist() for ids in sampled.tgt[i * 200 : (i + 1) * 200]] for i in range(3)]
+    assert copies[0] != copies[1] != copies[2] != copies[0]
+    assert min(sum(map(len, c)) for c in copies) > sum(map(len, plain.tgt))
     # Cached under its own key: a resume reads these copies, and plain ids are not mistaken.
-    again = encode_sampled_copies(multi30k_tokenizer, corpus, 3, 0.1, cache_dir=tmp_path)
+    again = encode_sampled_copies(multi30k_tokenizer, corpus, 3, 0.1, **kw)
     assert all((a == b).all() for a, b in zip(again.tgt, sampled.tgt, strict=True))
-    one = encode_sampled_copies(multi30k_tokenizer, corpus, 1, 0.1, cache_dir=tmp_path)
-    cached_plain = data.encode_corpus(multi30k_tokenizer, corpus, cache_dir=tmp_path)
+    one = encode_sampled_copies(multi30k_tokenizer, corpus, 1, 0.1, **kw)
+    cached_plain = data.encode_corpus(multi30k_tokenizer, corpus, **kw)
     assert sum(map(len, one.tgt)) > sum(map(len, cached_plain.tgt)) == sum(map(len, plain.tgt))
 
 
@@ -37,5 +40,8 @@ def test_trains_on_the_copies_and_puts_encode_corpus_back(multi30k_slice, tmp_pa
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if line.startswith("bpe-dropout: 2 copies"))
     pairs = int(line.split(": ")[2].split()[0])
-    assert f"data: {pairs} pairs encoded" in out and pairs % 2 == 0
+    # Both copies of every kept pair, less those that sampling made too long for --max-len.
+    kept = int(re.search(r"data: train en-de: \d+ pairs read, (\d+) kept", out)[1])
+    dropped = int(re.search(rf"data: {pairs} pairs encoded, (\d+) longer than", out)[1])
+    assert pairs + dropped == 2 * kept
     assert data.encode_corpus is bpe_dropout.encode_corpus
