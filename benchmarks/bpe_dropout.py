@@ -21,6 +21,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import sentencepiece as spm
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import data  # noqa: E402
@@ -32,15 +34,15 @@ class SamplingTokenizer:
     """A tokenizer whose `encode_batch` samples a segmentation (BPE-dropout)."""
 
     def __init__(self, tokenizer: data.Tokenizer, alpha: float):
-        self._tokenizer, self._alpha = tokenizer, alpha
+        # The same model file through SentencePiece's own API, which samples.
+        self._sp = spm.SentencePieceProcessor(model_file=str(tokenizer.path))
+        self._alpha = alpha
         # encode_corpus keys its cache by the fingerprint: sampled ids never pass for plain ones.
         self.fingerprint = f"{tokenizer.fingerprint}-bpe-dropout-{alpha}"
         self.eos_id = tokenizer.eos_id
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self._tokenizer._sp.encode(
-            list(texts), enable_sampling=True, alpha=self._alpha, nbest_size=-1
-        )
+        return self._sp.encode(list(texts), enable_sampling=True, alpha=self._alpha, nbest_size=-1)
 
 
 def encode_sampled_copies(
