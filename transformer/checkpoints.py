@@ -42,6 +42,9 @@ TOKENIZER_FILE = "tokenizer.model"
 CHECKPOINT_DIR = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
 BEST_METRIC = "val_bleu"
+# How a step's folder is named (`checkpoints/1000`): given to the manager, and used
+# by `update_meta` to find one step's folder.
+_STEP_NAME_FORMAT = ocp.path.step.standard_name_format()
 # The packages whose versions can change a run's numbers (or its BLEU), recorded with it.
 RECORDED_PACKAGES = (
     "jax",
@@ -330,6 +333,7 @@ class Checkpoints:
                 enable_async_checkpointing=async_save and not read_only,
                 read_only=read_only,
                 create=not read_only,
+                step_name_format=_STEP_NAME_FORMAT,
             )
             self._manager = ocp.CheckpointManager(
                 self.directory, options=options, item_handlers=handlers
@@ -524,8 +528,7 @@ def update_meta(workdir: str | os.PathLike, step: int, changes: dict[str, Any]) 
             f"no checkpoint at step {step} in {checkpoint_dir(workdir)}; available: "
             f"{', '.join(map(str, steps)) or 'none'}"
         )
-    name_format = ocp.path.step.standard_name_format()  # the manager's default, used by save
-    item = ocp.path.step.build_step_path(checkpoint_dir(workdir), name_format, step) / "meta"
+    item = ocp.path.step.build_step_path(checkpoint_dir(workdir), _STEP_NAME_FORMAT, step) / "meta"
     handler = ocp.JsonCheckpointHandler()
     meta = {**handler.restore(item), **changes}
     with _quiet_orbax():
