@@ -21,8 +21,7 @@ import evaluate  # noqa: E402
 from transformer.checkpoints import (  # noqa: E402
     CheckpointError,
     average_params,
-    checkpoint_steps,
-    restore_params,
+    restore_last,
     tree_shapes,
 )
 from transformer.translate import Run, load_model  # noqa: E402
@@ -32,22 +31,19 @@ def soup_params(workdirs: list[Path], last: int):
     """The average of the last `last` checkpoints of every workdir (all weighted alike).
 
     Raises:
-      CheckpointError: a workdir has no checkpoint, or its parameters are not
-        the shapes of the first workdir's (not a branch of the same run).
+      CheckpointError: a workdir has fewer than `last` checkpoints, or its
+        parameters are not the shapes of the first workdir's (not a branch of
+        the same run).
     """
     params = []
     for workdir in workdirs:
-        steps = checkpoint_steps(workdir)
-        if not steps:
-            raise CheckpointError(f"{workdir}: no checkpoints; give workdirs that train.py wrote")
-        for step in steps[-last:]:
-            tree = restore_params(workdir, step, log=lambda _: None)[0]
-            if params and tree_shapes(tree) != tree_shapes(params[0]):
-                raise CheckpointError(
-                    f"{workdir}: its parameters are not shaped like {workdirs[0]}'s; "
-                    "a soup needs branches of one run (benchmarks/fork_run.py)"
-                )
-            params.append(tree)
+        trees, _ = restore_last(workdir, last, log=lambda _: None)
+        if params and tree_shapes(trees[0]) != tree_shapes(params[0]):
+            raise CheckpointError(
+                f"{workdir}: its parameters are not shaped like {workdirs[0]}'s; "
+                "a soup needs branches of one run (benchmarks/fork_run.py)"
+            )
+        params += trees
     return average_params(params)
 
 

@@ -89,8 +89,7 @@ def test_soup_refuses_workdirs_it_cannot_average_in_one_line(tmp_path, capsys, m
 
     # Two "runs" whose parameters differ in shape: not branches of one run.
     trees = {"a": {"w": np.zeros((2, 3))}, "b": {"w": np.zeros((3, 3))}}
-    monkeypatch.setattr(soup, "checkpoint_steps", lambda w: [4, 8])
-    monkeypatch.setattr(soup, "restore_params", lambda w, step, log: (trees[Path(w).name], step))
+    monkeypatch.setattr(soup, "restore_last", lambda w, k, log: ([trees[Path(w).name]] * k, [4, 8]))
     same = soup.soup_params([Path("a"), Path("a")], 2)
     np.testing.assert_array_equal(same["w"], np.zeros((2, 3)))
     with pytest.raises(CheckpointError, match="not shaped like a's"):

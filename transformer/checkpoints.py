@@ -600,6 +600,33 @@ def restore_params(
     raise AssertionError("unreachable")
 
 
+def restore_last(
+    workdir: str | os.PathLike, k: int, *, log: Callable[[str], None] = _stderr
+) -> tuple[list[PyTree], list[int]]:
+    """Reads the parameters of a workdir's last `k` checkpoints (for averaging).
+
+    Args:
+      workdir: a directory written by train.py.
+      k: how many checkpoints, counted back from the newest.
+      log: receives one-line warnings.
+
+    Returns:
+      (params, steps): one float32 parameter pytree per checkpoint, as
+      `restore_params` returns it, and their steps, ascending.
+
+    Raises:
+      CheckpointError: fewer than `k` checkpoints, or one cannot be read.
+    """
+    steps = checkpoint_steps(workdir)
+    if len(steps) < k:
+        raise CheckpointError(
+            f"cannot average the last {k} checkpoints: {workdir} has "
+            f"{len(steps)} ({', '.join(map(str, steps)) or 'none'})"
+        )
+    chosen = steps[-k:]
+    return [restore_params(workdir, step, log=log)[0] for step in chosen], chosen
+
+
 def average_params(params_list: Sequence[PyTree]) -> PyTree:
     """Elementwise mean of parameter pytrees of one structure (checkpoint averaging).
 

@@ -259,17 +259,9 @@ def load_run(
     """
     model, tokenizer, config = load_model(workdir)
     if average_last > 0:
-        steps = checkpoints.checkpoint_steps(workdir)
-        if len(steps) < average_last:
-            raise checkpoints.CheckpointError(
-                f"cannot average the last {average_last} checkpoints: {workdir} has "
-                f"{len(steps)} ({', '.join(map(str, steps)) or 'none'})"
-            )
-        chosen = steps[-average_last:]
-        params = checkpoints.average_params(
-            [checkpoints.restore_params(workdir, step, log=log)[0] for step in chosen]
-        )
-        description = f"average of steps {', '.join(map(str, chosen))}"
+        trees, steps = checkpoints.restore_last(workdir, average_last, log=log)
+        params = checkpoints.average_params(trees)
+        description = f"average of steps {', '.join(map(str, steps))}"
     else:
         params, step = checkpoints.restore_params(workdir, checkpoint, log=log)
         description = f"step {step}" + (f" ({checkpoint})" if isinstance(checkpoint, str) else "")
