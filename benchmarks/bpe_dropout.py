@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         sampled = encode_sampled_copies(
             tokenizer, corpus, args.copies, args.alpha, max_len=max_len, cache_dir=cache_dir
         )
-        plain = encode_corpus(tokenizer, corpus, max_len=max_len)
+        plain = encode_corpus(tokenizer, corpus, max_len=max_len, cache_dir=cache_dir)
         ratio = [
             sum(map(len, s)) / args.copies / sum(map(len, d))
             for s, d in ((sampled.src, plain.src), (sampled.tgt, plain.tgt))
