@@ -19,6 +19,7 @@ from transformer.checkpoints import (
     checkpoint_steps,
     environment_changes,
     load_run_config,
+    restore_last,
     restore_params,
     save_run_config,
     software_environment,
@@ -127,6 +128,28 @@ def test_damaged_latest_is_reported_and_the_one_before_used(tmp_path, params):
     assert warnings
     with pytest.raises(CheckpointError, match="cannot be read"):
         restore_params(tmp_path, 2)
+
+
+def test_restore_last_reads_the_newest_k_in_order_and_refuses_what_it_cannot_average(
+    tmp_path, params
+):
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        for step in (1, 2, 3, 4):
+            ckpts.save(step, _shifted(params, step), _OPT, {})
+    trees, steps = restore_last(tmp_path, 2)
+    assert steps == [3, 4]
+    for tree, step in zip(trees, steps, strict=True):
+        expected = _shifted(params, step)
+        for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(expected), strict=True):
+            assert a.dtype == np.float32
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(CheckpointError, match=r"last 4 checkpoints: .* has 3 \(2, 3, 4\)"):
+        restore_last(tmp_path, 4)
+    # Averaging never skips a damaged checkpoint silently: the average would be another one.
+    _damage(tmp_path / "checkpoints" / "3")
+    with pytest.raises(CheckpointError, match="checkpoint step 3 in .* cannot be read") as info:
+        restore_last(tmp_path, 2)
+    assert "\n" not in str(info.value)
 
 
 def test_other_model_config_is_a_one_line_error(tmp_path, params):

@@ -536,6 +536,25 @@ def update_meta(workdir: str | os.PathLike, step: int, changes: dict[str, Any]) 
     return meta
 
 
+class _Unreadable(Exception):
+    """One checkpoint's parameters could not be read: where, and why in one line."""
+
+    def __init__(self, where: str, why: str):
+        super().__init__(f"{where}: {why}")
+        self.where, self.why = where, why
+
+
+def _read_params(ckpts: Checkpoints, step: int) -> PyTree:
+    """The float32 host parameters of one step, or `_Unreadable`."""
+    try:
+        params = ckpts.restore_params(step)
+    except Exception as e:  # noqa: BLE001 - any read failure means "damaged"
+        raise _Unreadable(
+            f"checkpoint step {step} in {ckpts.directory}", f"{type(e).__name__}: {_first_line(e)}"
+        ) from None
+    return jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+
+
 def restore_params(
     workdir: str | os.PathLike,
     which: str | int = "best",
@@ -585,18 +604,11 @@ def restore_params(
             candidates = [step]
         for i, step in enumerate(candidates):
             try:
-                params = ckpts.restore_params(step)
-                return jax.tree.map(lambda x: np.asarray(x, np.float32), params), step
-            except Exception as e:  # noqa: BLE001 - any read failure means "damaged"
+                return _read_params(ckpts, step), step
+            except _Unreadable as e:
                 if i + 1 == len(candidates):
-                    raise CheckpointError(
-                        f"checkpoint step {step} in {ckpts.directory} cannot be read "
-                        f"({type(e).__name__}: {_first_line(e)})"
-                    ) from None
-                log(
-                    f"checkpoint step {step} in {ckpts.directory} is damaged and was skipped "
-                    f"({type(e).__name__}: {_first_line(e)}); trying the one before it"
-                )
+                    raise CheckpointError(f"{e.where} cannot be read ({e.why})") from None
+                log(f"{e.where} is damaged and was skipped ({e.why}); trying the one before it")
     raise AssertionError("unreachable")
 
 
@@ -624,7 +636,12 @@ def restore_last(
             f"{len(steps)} ({', '.join(map(str, steps)) or 'none'})"
         )
     chosen = steps[-k:]
-    return [restore_params(workdir, step, log=log)[0] for step in chosen], chosen
+    # One manager for all k: each restore_params call would list the steps again.
+    with Checkpoints(workdir, read_only=True, log=log) as ckpts:
+        try:
+            return [_read_params(ckpts, step) for step in chosen], chosen
+        except _Unreadable as e:
+            raise CheckpointError(f"{e.where} cannot be read ({e.why})") from None
 
 
 def average_params(params_list: Sequence[PyTree]) -> PyTree:
