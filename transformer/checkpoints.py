@@ -536,11 +536,11 @@ def update_meta(workdir: str | os.PathLike, step: int, changes: dict[str, Any]) 
     return meta
 
 
-class _Unreadable(Exception):
-    """One checkpoint's parameters could not be read: where, and why in one line."""
+class _Unreadable(CheckpointError):
+    """One checkpoint's parameters could not be read; `where` and `why` for other wordings."""
 
     def __init__(self, where: str, why: str):
-        super().__init__(f"{where}: {why}")
+        super().__init__(f"{where} cannot be read ({why})")
         self.where, self.why = where, why
 
 
@@ -607,7 +607,7 @@ def restore_params(
                 return _read_params(ckpts, step), step
             except _Unreadable as e:
                 if i + 1 == len(candidates):
-                    raise CheckpointError(f"{e.where} cannot be read ({e.why})") from None
+                    raise
                 log(f"{e.where} is damaged and was skipped ({e.why}); trying the one before it")
     raise AssertionError("unreachable")
 
@@ -638,10 +638,7 @@ def restore_last(
     chosen = steps[-k:]
     # One manager for all k: each restore_params call would list the steps again.
     with Checkpoints(workdir, read_only=True, log=log) as ckpts:
-        try:
-            return [_read_params(ckpts, step) for step in chosen], chosen
-        except _Unreadable as e:
-            raise CheckpointError(f"{e.where} cannot be read ({e.why})") from None
+        return [_read_params(ckpts, step) for step in chosen], chosen
 
 
 def average_params(params_list: Sequence[PyTree]) -> PyTree:
