@@ -145,6 +145,8 @@ def test_restore_last_reads_the_newest_k_in_order_and_refuses_what_it_cannot_ave
             np.testing.assert_array_equal(a, b)
     with pytest.raises(CheckpointError, match=r"last 4 checkpoints: .* has 3 \(2, 3, 4\)"):
         restore_last(tmp_path, 4)
+    with pytest.raises(CheckpointError, match=r"no checkpoints in .*missing"):
+        restore_last(tmp_path / "never_trained", 1)
     # Averaging never skips a damaged checkpoint silently: the average would be another one.
     _damage(tmp_path / "checkpoints" / "3")
     with pytest.raises(CheckpointError, match="checkpoint step 3 in .* cannot be read") as info:

@@ -627,17 +627,18 @@ def restore_last(
       `restore_params` returns it, and their steps, ascending.
 
     Raises:
-      CheckpointError: fewer than `k` checkpoints, or one cannot be read.
+      CheckpointError: no checkpoint directory, fewer than `k` checkpoints, or
+        one cannot be read.
     """
-    steps = checkpoint_steps(workdir)
-    if len(steps) < k:
-        raise CheckpointError(
-            f"cannot average the last {k} checkpoints: {workdir} has "
-            f"{len(steps)} ({', '.join(map(str, steps)) or 'none'})"
-        )
-    chosen = steps[-k:]
-    # One manager for all k: each restore_params call would list the steps again.
+    # One manager lists the steps once and reads all k of them.
     with Checkpoints(workdir, read_only=True, log=log) as ckpts:
+        steps = ckpts.steps()
+        if len(steps) < k:
+            raise CheckpointError(
+                f"cannot average the last {k} checkpoints: {workdir} has "
+                f"{len(steps)} ({', '.join(map(str, steps)) or 'none'})"
+            )
+        chosen = steps[-k:]
         return [_read_params(ckpts, step) for step in chosen], chosen
 
 
