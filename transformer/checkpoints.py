@@ -458,11 +458,7 @@ class Checkpoints:
             except CheckpointError:
                 raise
             except Exception as e:  # noqa: BLE001 - any read failure means "damaged"
-                older = "; trying the one before it" if i + 1 < len(steps) else ""
-                self._log(
-                    f"checkpoint step {step} in {self.directory} is damaged and was skipped "
-                    f"({type(e).__name__}: {_first_line(e)}){older}"
-                )
+                self._log(_Unreadable(step, self.directory, e).skipped(older=i + 1 < len(steps)))
         if steps:
             raise CheckpointError(
                 f"every checkpoint in {self.directory} is damaged; delete it to start over"
@@ -537,11 +533,18 @@ def update_meta(workdir: str | os.PathLike, step: int, changes: dict[str, Any]) 
 
 
 class _Unreadable(CheckpointError):
-    """One checkpoint's parameters could not be read; `where` and `why` for other wordings."""
+    """One checkpoint could not be read: the error, or with `skipped` the warning of a fallback."""
 
-    def __init__(self, where: str, why: str):
-        super().__init__(f"{where} cannot be read ({why})")
-        self.where, self.why = where, why
+    def __init__(self, step: int, directory: Path, error: BaseException):
+        self.where = f"checkpoint step {step} in {directory}"
+        self.why = f"{type(error).__name__}: {_first_line(error)}"
+        super().__init__(f"{self.where} cannot be read ({self.why})")
+
+    def skipped(self, *, older: bool) -> str:
+        """The one-line warning when reading goes on without it (`older`: one is left to try)."""
+        return f"{self.where} is damaged and was skipped ({self.why})" + (
+            "; trying the one before it" if older else ""
+        )
 
 
 def _read_params(ckpts: Checkpoints, step: int) -> PyTree:
@@ -549,9 +552,7 @@ def _read_params(ckpts: Checkpoints, step: int) -> PyTree:
     try:
         params = ckpts.restore_params(step)
     except Exception as e:  # noqa: BLE001 - any read failure means "damaged"
-        raise _Unreadable(
-            f"checkpoint step {step} in {ckpts.directory}", f"{type(e).__name__}: {_first_line(e)}"
-        ) from None
+        raise _Unreadable(step, ckpts.directory, e) from None
     return jax.tree.map(lambda x: np.asarray(x, np.float32), params)
 
 
@@ -608,7 +609,7 @@ def restore_params(
             except _Unreadable as e:
                 if i + 1 == len(candidates):
                     raise
-                log(f"{e.where} is damaged and was skipped ({e.why}); trying the one before it")
+                log(e.skipped(older=True))
     raise AssertionError("unreachable")
 
 
