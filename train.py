@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import signal
 import sys
 import threading
@@ -254,18 +255,21 @@ def data_settings(args: argparse.Namespace, saved: dict[str, Any] | None) -> dic
     return settings
 
 
-def model_config(args: argparse.Namespace, saved: dict[str, Any] | None, tokenizer: Any):
+def model_config(
+    args: argparse.Namespace, saved: dict[str, Any] | None, vocab_size: int, pad_id: int
+):
     """The TransformerConfig: the saved one (resume) or a preset, with flag overrides."""
     from transformer import TransformerConfig
 
     overrides = given(args, *MODEL_FLAGS, "share_embeddings", "pre_layer_norm", "dtype")
-    overrides.update(vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)
+    overrides.update(vocab_size=vocab_size, pad_id=pad_id)
     try:
         if saved is not None and args.preset is None:
             return TransformerConfig.from_dict(saved["model"]).replace(**overrides)
         return TransformerConfig.preset(args.preset or DEFAULT_PRESET, **overrides)
     except ValueError as e:
-        raise UsageError(f"bad model settings: {e}") from None
+        fields = [f.name for f in dataclasses.fields(TransformerConfig)]
+        raise UsageError(f"bad model settings: {_in_flag_words(e, fields)}") from None
 
 
 def train_config(args: argparse.Namespace, saved: dict[str, Any] | None):
@@ -283,7 +287,18 @@ def train_config(args: argparse.Namespace, saved: dict[str, Any] | None):
     try:
         return TrainConfig(**settings)
     except (TypeError, ValueError) as e:
-        raise UsageError(f"bad training settings: {e}") from None
+        fields = [f.name for f in dataclasses.fields(TrainConfig)]
+        raise UsageError(f"bad training settings: {_in_flag_words(e, fields)}") from None
+
+
+def _in_flag_words(error: Exception, fields: list[str]) -> str:
+    """A config error's message with its fields named as flags (learning_rate_scale: --lr-scale)."""
+    flag_of = {field: flag for flag, field in TRAIN_FIELDS.items()}
+    return re.sub(
+        rf"\b({'|'.join(fields)})\b",
+        lambda m: "--" + flag_of.get(m[1], m[1]).replace("_", "-"),
+        str(error),
+    )
 
 
 def check_resume_matches(workdir: Path, saved: dict[str, Any], section: str, now: dict) -> None:
@@ -434,10 +449,12 @@ def run(args: argparse.Namespace) -> int:
 
         max_len = TransformerConfig.preset(args.preset or DEFAULT_PRESET, vocab_size=1).max_len
     data_cfg["max_len"] = max_len
+    # The model flags are checked before the tokenizer is trained into the workdir.
+    model_config(args, saved, data_cfg["vocab_size"], pad_id=0)
     if saved is not None:
         check_resume_matches(workdir, saved, "data", data_cfg)
     loaded = load_training_data(workdir, data_cfg, max_len, train_cfg.seed, log)
-    model_cfg = model_config(args, saved, loaded.tokenizer)
+    model_cfg = model_config(args, saved, loaded.tokenizer.vocab_size, loaded.tokenizer.pad_id)
     if saved is not None:
         check_resume_matches(workdir, saved, "model", model_cfg.to_dict())
     if main_process:

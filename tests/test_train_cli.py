@@ -253,6 +253,27 @@ def test_bad_data_flag_is_a_one_line_error_and_exit_2(tmp_path):
     assert result.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--dropout-rate", "1.2", "bad model settings: --dropout-rate must be in [0, 1), got 1.2"),
+        ("--d-model", "130", "bad model settings: --d-model (130) must be divisible by --num-h"),
+        ("--num-decoder-layers", "0", "bad model settings: --num-decoder-layers must be >= 1"),
+        ("--lr-scale", "0", "bad training settings: --lr-scale must be > 0, got 0.0"),
+        ("--adam-b2", "1", "bad training settings: --adam-b2 must be in [0, 1), got 1.0"),
+    ],
+)
+def test_bad_setting_is_a_one_line_error_naming_the_flag_before_anything_is_written(
+    slice_dir, tmp_path, capsys, flag, value, message
+):
+    workdir = tmp_path / "run"
+    assert train.main(_flags(slice_dir, workdir, flag, value)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1
+    # No tokenizer was trained into the workdir, so the corrected command starts clean.
+    assert not workdir.exists()
+
+
 def test_sigterm_saves_a_checkpoint_and_exits_0(slice_dir, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     args = _flags(slice_dir, tmp_path, "--steps", "100000")

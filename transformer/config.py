@@ -102,6 +102,20 @@ class TransformerConfig:
     pad_id: int = 0
 
     def __post_init__(self):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "num_heads",
+            "d_ff",
+            "num_encoder_layers",
+            "num_decoder_layers",
+            "max_len",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("dropout_rate", "attention_dropout_rate"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})"
