@@ -268,8 +268,7 @@ def model_config(
             return TransformerConfig.from_dict(saved["model"]).replace(**overrides)
         return TransformerConfig.preset(args.preset or DEFAULT_PRESET, **overrides)
     except ValueError as e:
-        fields = [f.name for f in dataclasses.fields(TransformerConfig)]
-        raise UsageError(f"bad model settings: {_in_flag_words(e, fields)}") from None
+        raise UsageError(f"bad model settings: {_in_flag_words(e, TransformerConfig)}") from None
 
 
 def train_config(args: argparse.Namespace, saved: dict[str, Any] | None):
@@ -287,13 +286,13 @@ def train_config(args: argparse.Namespace, saved: dict[str, Any] | None):
     try:
         return TrainConfig(**settings)
     except (TypeError, ValueError) as e:
-        fields = [f.name for f in dataclasses.fields(TrainConfig)]
-        raise UsageError(f"bad training settings: {_in_flag_words(e, fields)}") from None
+        raise UsageError(f"bad training settings: {_in_flag_words(e, TrainConfig)}") from None
 
 
-def _in_flag_words(error: Exception, fields: list[str]) -> str:
+def _in_flag_words(error: Exception, config_class: type) -> str:
     """A config error's message with its fields named as flags (learning_rate_scale: --lr-scale)."""
     flag_of = {field: flag for flag, field in TRAIN_FIELDS.items()}
+    fields = [f.name for f in dataclasses.fields(config_class)]
     return re.sub(
         rf"\b({'|'.join(fields)})\b",
         lambda m: "--" + flag_of.get(m[1], m[1]).replace("_", "-"),

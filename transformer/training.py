@@ -124,17 +124,13 @@ class TrainConfig:
                 f"cooldown_shape must be one of {', '.join(COOLDOWN_SHAPES)}, "
                 f"got {self.cooldown_shape!r}"
             )
-        if self.learning_rate_scale <= 0:
-            raise ValueError(f"learning_rate_scale must be > 0, got {self.learning_rate_scale}")
-        if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
-            raise ValueError(f"grad_clip_norm must be > 0, got {self.grad_clip_norm}")
-        for name in ("adam_b1", "adam_b2"):
+        for name in ("learning_rate_scale", "grad_clip_norm", "adam_eps"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        for name in ("adam_b1", "adam_b2", "label_smoothing"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.adam_eps <= 0:
-            raise ValueError(f"adam_eps must be > 0, got {self.adam_eps}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         for name in ("log_every", "checkpoint_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
