@@ -148,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="one matrix for source/target embeddings and the output projection [on]",
     )
     m.add_argument(
+        "--attention-bias",
+        action=argparse.BooleanOptionalAction,
+        help="biases on the attention projections W^Q, W^K, W^V, W^O; the paper has none [off]",
+    )
+    m.add_argument(
         "--pre-layer-norm",
         action=argparse.BooleanOptionalAction,
         help="pre-LN residual blocks instead of the paper's post-LN [off]",
@@ -261,7 +266,9 @@ def model_config(
     """The TransformerConfig: the saved one (resume) or a preset, with flag overrides."""
     from transformer import TransformerConfig
 
-    overrides = given(args, *MODEL_FLAGS, "share_embeddings", "pre_layer_norm", "dtype")
+    overrides = given(
+        args, *MODEL_FLAGS, "share_embeddings", "attention_bias", "pre_layer_norm", "dtype"
+    )
     overrides.update(vocab_size=vocab_size, pad_id=pad_id)
     try:
         if saved is not None and args.preset is None:

@@ -29,9 +29,14 @@ from transformer.checkpoints import (
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _tiny_params(d_model: int = 32):
+def _tiny_params(d_model: int = 32, **overrides):
     config = TransformerConfig.preset(
-        "tiny", vocab_size=20, d_model=d_model, num_encoder_layers=1, num_decoder_layers=1
+        "tiny",
+        vocab_size=20,
+        d_model=d_model,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        **overrides,
     )
     tokens = np.ones((1, 3), np.int32)
     params = Transformer(config).init(jax.random.PRNGKey(0), tokens, tokens)["params"]
@@ -162,7 +167,14 @@ def test_other_model_config_is_a_one_line_error(tmp_path, params):
         ckpts.restore_latest(wider, _OPT)
     message = str(info.value)
     assert "does not match the model config" in message and "\n" not in message
-    assert "(4, 8) there but (4, 16) now" in message
+    assert "(32, 4, 8) there but (64, 4, 16) now" in message
+    # Attention biases (the default before `attention_bias` existed) against a model without.
+    unbiased = _tiny_params(attention_bias=False)
+    with Checkpoints(tmp_path / "biased") as ckpts:
+        ckpts.save(3, _tiny_params(attention_bias=True), _OPT, {})
+    with Checkpoints(tmp_path / "biased") as ckpts, pytest.raises(CheckpointError) as info:
+        ckpts.restore_latest(unbiased, _OPT)
+    assert "bias is (4, 8) there but absent now" in str(info.value)
 
 
 def test_run_config_round_trip_and_missing(tmp_path):

@@ -287,6 +287,21 @@ def test_shared_embeddings_tie_source_target_and_output():
     assert "output_projection" in separate["decoder"]
 
 
+def test_attention_projections_have_biases_only_when_asked():
+    """The paper's W^Q, W^K, W^V and W^O have no biases; workdirs from before the switch do."""
+    src, tgt = _batch(np.random.default_rng(11))
+    _, paper = _init(_config(), src, tgt)
+    _, biased = _init(_config(attention_bias=True), src, tgt)
+    for params, expected in ((paper, set()), (biased, {"bias"})):
+        for block in ("self_attention", "cross_attention"):
+            attention = params["decoder"]["layer_0"][block]
+            for projection in ("query", "key", "value", "out"):
+                assert set(attention[projection]) - {"kernel"} == expected, (block, projection)
+        assert "bias" in params["decoder"]["layer_0"]["ffn"]["inner"]  # the FFN keeps b1, b2
+    old_workdir = {k: v for k, v in _config().to_dict().items() if k != "attention_bias"}
+    assert TransformerConfig.from_dict(old_workdir).attention_bias is True
+
+
 def test_config_round_trip_and_validation():
     config = _config(dropout_rate=0.2)
     assert TransformerConfig.from_dict(config.to_dict()) == config

@@ -115,6 +115,7 @@ class MultiHeadAttention(nn.Module):
         def project(name: str) -> nn.DenseGeneral:
             return nn.DenseGeneral(
                 features=(cfg.num_heads, cfg.d_head),
+                use_bias=cfg.attention_bias,
                 dtype=dtype,
                 param_dtype=jnp.float32,
                 kernel_init=nn.initializers.xavier_uniform(),
@@ -161,6 +162,7 @@ class MultiHeadAttention(nn.Module):
         return nn.DenseGeneral(
             features=cfg.d_model,
             axis=(-2, -1),
+            use_bias=cfg.attention_bias,
             dtype=dtype,
             param_dtype=jnp.float32,
             kernel_init=nn.initializers.xavier_uniform(),

@@ -80,6 +80,9 @@ class TransformerConfig:
         for whatever length a call needs, so decoding may go past it.
       share_embeddings: one matrix for source embedding, target embedding and
         the pre-softmax projection (paper 3.4).
+      attention_bias: biases on the attention projections W^Q, W^K, W^V and
+        W^O. The paper's have none (section 3.2.2); workdirs written before
+        this field existed were trained with them.
       pre_layer_norm: False is the paper's post-LN, x = LN(x + sublayer(x));
         True is pre-LN, x = x + sublayer(LN(x)), which trains more stably.
       dtype: compute dtype name ("float32" or "bfloat16"); parameters are
@@ -97,6 +100,7 @@ class TransformerConfig:
     attention_dropout_rate: float = 0.0
     max_len: int = 256
     share_embeddings: bool = True
+    attention_bias: bool = False
     pre_layer_norm: bool = False
     dtype: str = "float32"
     pad_id: int = 0
@@ -163,9 +167,13 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TransformerConfig:
-        """Inverse of `to_dict`; unknown keys are an error."""
+        """Inverse of `to_dict`; unknown keys are an error.
+
+        A dict without `attention_bias` was written before that field existed,
+        when the attention projections always had biases, so it reads as True.
+        """
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown TransformerConfig fields: {', '.join(unknown)}")
-        return cls(**d)
+        return cls(**{"attention_bias": True, **d})
