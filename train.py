@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--attention-bias",
         action=argparse.BooleanOptionalAction,
-        help="biases on the attention projections W^Q, W^K, W^V, W^O; the paper has none [off]",
+        help="biases on the attention projections W^Q, W^K, W^V, W^O; the paper has none [on]",
     )
     m.add_argument(
         "--pre-layer-norm",

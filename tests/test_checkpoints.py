@@ -167,8 +167,8 @@ def test_other_model_config_is_a_one_line_error(tmp_path, params):
         ckpts.restore_latest(wider, _OPT)
     message = str(info.value)
     assert "does not match the model config" in message and "\n" not in message
-    assert "(32, 4, 8) there but (64, 4, 16) now" in message
-    # Attention biases (the default before `attention_bias` existed) against a model without.
+    assert "(4, 8) there but (4, 16) now" in message
+    # A checkpoint with attention biases (the default) against the paper's model, without.
     unbiased = _tiny_params(attention_bias=False)
     with Checkpoints(tmp_path / "biased") as ckpts:
         ckpts.save(3, _tiny_params(attention_bias=True), _OPT, {})

@@ -287,11 +287,11 @@ def test_shared_embeddings_tie_source_target_and_output():
     assert "output_projection" in separate["decoder"]
 
 
-def test_attention_projections_have_biases_only_when_asked():
-    """The paper's W^Q, W^K, W^V and W^O have no biases; workdirs from before the switch do."""
+def test_attention_bias_switch_gives_the_papers_projections():
+    """The paper's W^Q, W^K, W^V and W^O have no biases; the default's do, as before the switch."""
     src, tgt = _batch(np.random.default_rng(11))
-    _, paper = _init(_config(), src, tgt)
-    _, biased = _init(_config(attention_bias=True), src, tgt)
+    _, paper = _init(_config(attention_bias=False), src, tgt)
+    _, biased = _init(_config(), src, tgt)
     for params, expected in ((paper, set()), (biased, {"bias"})):
         for block in ("self_attention", "cross_attention"):
             attention = params["decoder"]["layer_0"][block]
