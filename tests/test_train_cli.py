@@ -226,10 +226,10 @@ def test_help_documents_every_flag():
         "--workdir --data-dir --dataset --tfds-name --src --tgt --vocab-size --tokenizer-type "
         "--max-tokens --preset --d-model --num-heads --d-ff --num-encoder-layers "
         "--num-decoder-layers --dropout-rate --attention-dropout-rate --max-len "
-        "--share-embeddings --no-share-embeddings --attention-bias --pre-layer-norm --dtype "
-        "--steps --epochs "
-        "--warmup-steps --lr-scale --label-smoothing --clip-grad-norm --seed --log-every "
-        "--eval-every --bleu-every --checkpoint-every --keep-checkpoints "
+        "--share-embeddings --no-share-embeddings --attention-bias --no-attention-bias "
+        "--pre-layer-norm --dtype --steps --epochs --warmup-steps --lr-scale --label-smoothing "
+        "--clip-grad-norm --seed --log-every --eval-every --bleu-every --checkpoint-every "
+        "--keep-checkpoints "
         "--coordinator-address --num-processes --process-id"
     ).split():
         assert flag in result.stdout, flag

@@ -168,7 +168,7 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TransformerConfig:
-        """Inverse of `to_dict`; unknown keys are an error, missing ones take the default."""
+        """Inverse of `to_dict`; unknown keys are an error."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
