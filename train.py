@@ -39,6 +39,13 @@ MODEL_FLAGS = {
     "attention_dropout_rate": (float, "dropout on attention weights"),
     "max_len": (int, "longest pair in tokens; longer training pairs are dropped (and counted)"),
 }
+# TransformerConfig's on/off fields, as --name / --no-name.
+MODEL_SWITCHES = {
+    "share_embeddings": "one matrix for source/target embeddings and the output projection [on]",
+    "attention_bias": "biases on the attention projections W^Q, W^K, W^V, W^O; "
+    "the paper has none [on]",
+    "pre_layer_norm": "pre-LN residual blocks instead of the paper's post-LN [off]",
+}
 # Training flag -> TrainConfig field, when the names differ.
 TRAIN_FIELDS = {
     "lr_scale": "learning_rate_scale",
@@ -142,21 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--preset", help=f"base model: tiny, mini, small, base, big [{DEFAULT_PRESET}]")
     for name, (kind, text) in MODEL_FLAGS.items():
         m.add_argument("--" + name.replace("_", "-"), type=kind, help=f"{text} [from --preset]")
-    m.add_argument(
-        "--share-embeddings",
-        action=argparse.BooleanOptionalAction,
-        help="one matrix for source/target embeddings and the output projection [on]",
-    )
-    m.add_argument(
-        "--attention-bias",
-        action=argparse.BooleanOptionalAction,
-        help="biases on the attention projections W^Q, W^K, W^V, W^O; the paper has none [on]",
-    )
-    m.add_argument(
-        "--pre-layer-norm",
-        action=argparse.BooleanOptionalAction,
-        help="pre-LN residual blocks instead of the paper's post-LN [off]",
-    )
+    for name, text in MODEL_SWITCHES.items():
+        m.add_argument(
+            "--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, help=text
+        )
     m.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype [float32]")
 
     t = p.add_argument_group("training (TrainConfig)")
@@ -266,9 +262,7 @@ def model_config(
     """The TransformerConfig: the saved one (resume) or a preset, with flag overrides."""
     from transformer import TransformerConfig
 
-    overrides = given(
-        args, *MODEL_FLAGS, "share_embeddings", "attention_bias", "pre_layer_norm", "dtype"
-    )
+    overrides = given(args, *MODEL_FLAGS, *MODEL_SWITCHES, "dtype")
     overrides.update(vocab_size=vocab_size, pad_id=pad_id)
     try:
         if saved is not None and args.preset is None:

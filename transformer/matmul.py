@@ -8,9 +8,10 @@ written in front of it back into the dot. The public functions here compute the
 same values as their plain forms, but their backward pass transposes that
 operand into a copy that XLA cannot fold away (`jax.lax.optimization_barrier`),
 so every gradient matmul runs as a YNNPACK kernel. The gradients are the plain
-ones up to float rounding. Other backends do not need the copies: on an H100 the
-step with them took 11.0 ms against 13.2 ms with plain gradients for `mini` and
-51.1 against 48.2 ms for `base` (one run each; benchmarks/EXPERIMENTS.md).
+ones up to float rounding. On other backends the copies neither clearly help nor
+hurt: on an H100 the step with them took 11.0 ms against 13.2 ms with plain
+gradients for `mini` and 51.1 against 48.2 ms for `base` (one run each;
+benchmarks/EXPERIMENTS.md).
 """
 
 from __future__ import annotations
