@@ -33,9 +33,9 @@ from benchmarks.train_speed import (  # noqa: E402
     add_step_shape_arguments,
     default_rows,
     make_step_inputs,
+    step_config,
 )
 from train import DEFAULT_PRESET  # noqa: E402
-from transformer import TransformerConfig  # noqa: E402
 from transformer.host_memory import keep_freed_host_memory  # noqa: E402
 
 _MATMUL_MARKERS = ("dot", "matmul", "gemm", "convolution")
@@ -128,7 +128,7 @@ def main() -> None:
     keep_freed_host_memory()  # before the first computation starts XLA's threads
     preset = args.preset or DEFAULT_PRESET
     rows = args.rows or default_rows(args.src_len, args.tgt_len)
-    cfg = TransformerConfig.preset(preset, vocab_size=args.vocab_size)
+    cfg = step_config(preset, args)
     step, state, batch = make_step_inputs(cfg, rows, args.src_len, args.tgt_len)
     # Compiled once, here: the traced program is the one whose HLO names the matmul fusions.
     step = step.lower(state, batch).compile()

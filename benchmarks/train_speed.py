@@ -8,9 +8,10 @@ update, dropout on) at one fixed batch shape with no padding, so every position
 is a real target token. Model FLOPs are counted from the matmuls of the
 architecture (forward x 3 for forward + backward; embedding lookups, softmax,
 layer norm and the optimizer are not counted, as is usual for utilization).
-The peak is the best FLOP/s of a large float32 matmul, timed on the same
-devices at the start and after every 5 timed steps, so through the same
-minutes as the steps. It also reports how many batch shapes the default data
+The peak is the best FLOP/s of a large matmul in the step's matmul dtype
+(float32, or bfloat16 operands with `--matmul-dtype bfloat16`; both accumulate
+in float32), timed on the same devices at the start and after every 5 timed
+steps, so through the same minutes as the steps. It also reports how many batch shapes the default data
 pipeline compiles on Multi30k and the compile time of the first step.
 """
 
@@ -73,16 +74,21 @@ def model_flops_per_step(cfg: TransformerConfig, rows: int, src_len: int, tgt_le
     return 3.0 * forward
 
 
-def make_peak_probe(size: int) -> Callable[[], float]:
-    """A function that times one [size, size] @ [size, size] float32 matmul on each device.
+def make_peak_probe(size: int, dtype: str = "float32") -> Callable[[], float]:
+    """A function that times one [size, size] @ [size, size] matmul on each device.
+
+    Args:
+      size: the matrices' size.
+      dtype: the operands' dtype; the product accumulates in float32, as the
+        step's matmuls do.
 
     Returns:
       probe(): the FLOP/s of one such matmul per device, summed over devices.
     """
     n = jax.local_device_count()
     keys = jax.random.split(jax.random.key(0), n)
-    a = jax.pmap(lambda k: jax.random.normal(k, (size, size), jnp.float32))(keys)
-    matmul = jax.pmap(lambda x: x @ x)
+    a = jax.pmap(lambda k: jax.random.normal(k, (size, size), dtype))(keys)
+    matmul = jax.pmap(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
     matmul(a).block_until_ready()
 
     def probe() -> float:
@@ -99,7 +105,7 @@ def default_rows(src_len: int, tgt_len: int) -> int:
 
 
 def add_step_shape_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds --vocab-size, --rows, --src-len and --tgt-len: the measured step's shape.
+    """Adds --vocab-size, --rows, --src-len, --tgt-len and --matmul-dtype: the measured step.
 
     Shared by the benchmarks that time or trace this step, so that they measure
     the same one. --rows is None unless given; `default_rows` fills it in.
@@ -117,6 +123,18 @@ def add_step_shape_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--src-len", type=int, default=16)
     parser.add_argument("--tgt-len", type=int, default=16)
+    parser.add_argument(
+        "--matmul-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the dtype the step's matmul operands are rounded to, and the peak's [float32]",
+    )
+
+
+def step_config(preset: str, args: argparse.Namespace) -> TransformerConfig:
+    """The measured step's model: a preset with --vocab-size and --matmul-dtype."""
+    matmul_dtype = None if args.matmul_dtype == "float32" else args.matmul_dtype
+    return TransformerConfig.preset(preset, vocab_size=args.vocab_size, matmul_dtype=matmul_dtype)
 
 
 def make_step_inputs(cfg: TransformerConfig, rows: int, src_len: int, tgt_len: int):
@@ -229,13 +247,13 @@ def main() -> None:
     # each: its 48 MB of operands would evict the step's data from the cache), and
     # the best sample is used: on a shared machine a peak timed only once may
     # come from a slow (or a fast) minute that the steps did not see.
-    probe = make_peak_probe(args.matmul_size)
+    probe = make_peak_probe(args.matmul_size, args.matmul_dtype)
     peaks = [probe() for _ in range(5)]
     shape = f"{args.rows} x ({args.src_len} src + {args.tgt_len} tgt) tokens"
     results = []
     for name in args.presets.split(","):
         print(f"{name}: compiling, then timing {args.steps} steps ...", flush=True)
-        cfg = TransformerConfig.preset(name, vocab_size=args.vocab_size)
+        cfg = step_config(name, args)
         first, seconds = time_train_step(
             cfg,
             args.rows,
@@ -248,7 +266,7 @@ def main() -> None:
         results.append((name, first, seconds, flops))
     peak = max(peaks)
     print(
-        f"peak matmul: {peak / 1e9:.1f} GFLOP/s ({args.matmul_size}^3 float32, the best of "
+        f"peak matmul: {peak / 1e9:.1f} GFLOP/s ({args.matmul_size}^3 {args.matmul_dtype}, the best of "
         f"{len(peaks)} timed through the run; their median {np.median(peaks) / 1e9:.1f})"
     )
     for name, first, seconds, flops in results:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -19,6 +21,7 @@ def scaled_dot_product_attention(
     *,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    matmul_dtype: jnp.dtype | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """softmax(Q K^T / sqrt(d_k)) V, for every head at once.
 
@@ -35,6 +38,8 @@ def scaled_dot_product_attention(
         where a query may attend to a key. None attends everywhere.
       dropout_rate: dropout on the attention weights.
       dropout_rng: PRNG key for that dropout; None disables it.
+      matmul_dtype: the dtype the two products' operands are rounded to (they
+        accumulate in float32); None keeps them as they are.
 
     Returns:
       (output [batch, q_len, heads, d_v] in the dtype of v,
@@ -42,7 +47,7 @@ def scaled_dot_product_attention(
        over unmasked keys, or to 0 where every key is masked).
     """
     d_k = q_BQHD.shape[-1]
-    scores_BHQK = attention_scores(q_BQHD, k_BKHD).astype(jnp.float32)
+    scores_BHQK = attention_scores(q_BQHD, k_BKHD, matmul_dtype).astype(jnp.float32)
     scores_BHQK = scores_BHQK / jnp.sqrt(jnp.float32(d_k))
     if mask is not None:
         scores_BHQK = jnp.where(mask, scores_BHQK, jnp.finfo(jnp.float32).min)
@@ -53,7 +58,7 @@ def scaled_dot_product_attention(
     attended_BHQK = weights_BHQK
     if dropout_rng is not None and dropout_rate > 0.0:
         attended_BHQK = dropout(weights_BHQK, dropout_rate, dropout_rng)
-    out_BQHD = attend(attended_BHQK.astype(v_BKHD.dtype), v_BKHD)
+    out_BQHD = attend(attended_BHQK.astype(v_BKHD.dtype), v_BKHD, matmul_dtype)
     return out_BQHD, weights_BHQK
 
 
@@ -111,6 +116,7 @@ class MultiHeadAttention(nn.Module):
         """
         cfg = self.config
         dtype = cfg.compute_dtype
+        dot_general = partial(dense_dot_general, operand_dtype=cfg.matmul_operand_dtype)
 
         def project(name: str) -> nn.DenseGeneral:
             return nn.DenseGeneral(
@@ -119,7 +125,7 @@ class MultiHeadAttention(nn.Module):
                 dtype=dtype,
                 param_dtype=jnp.float32,
                 kernel_init=nn.initializers.xavier_uniform(),
-                dot_general=dense_dot_general,
+                dot_general=dot_general,
                 name=name,
             )
 
@@ -156,6 +162,7 @@ class MultiHeadAttention(nn.Module):
             mask,
             dropout_rate=cfg.attention_dropout_rate,
             dropout_rng=dropout_rng,
+            matmul_dtype=cfg.matmul_operand_dtype,
         )
         self.sow("intermediates", "attention_weights", weights_BHQK)
         out_BQHD = out_BQHD.reshape(batch_q, len_q, *out_BQHD.shape[2:])
@@ -166,7 +173,7 @@ class MultiHeadAttention(nn.Module):
             dtype=dtype,
             param_dtype=jnp.float32,
             kernel_init=nn.initializers.xavier_uniform(),
-            dot_general=dense_dot_general,
+            dot_general=dot_general,
             name="out",
         )(out_BQHD)
 

@@ -88,6 +88,12 @@ class TransformerConfig:
         True is pre-LN, x = x + sublayer(LN(x)), which trains more stably.
       dtype: compute dtype name ("float32" or "bfloat16"); parameters are
         always stored in float32 and softmax runs in float32.
+      matmul_dtype: the dtype every matmul's operands are rounded to, forward
+        and backward; the products accumulate in float32 and come back in
+        `dtype`. None takes them as they are, in `dtype`. "bfloat16" with the
+        float32 `dtype` is mixed precision in the matmuls alone: layer norm,
+        softmax, the loss and the gradients stay float32. It runs the step
+        faster on CPUs with bfloat16 matrix units (benchmarks/EXPERIMENTS.md).
       pad_id: the padding token id; masks are derived from it.
     """
 
@@ -104,6 +110,7 @@ class TransformerConfig:
     attention_bias: bool = True
     pre_layer_norm: bool = False
     dtype: str = "float32"
+    matmul_dtype: str | None = None
     pad_id: int = 0
 
     def __post_init__(self):
@@ -125,8 +132,10 @@ class TransformerConfig:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})"
             )
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("dtype", "matmul_dtype"):
+            value = getattr(self, name)
+            if value not in _DTYPES and not (name == "matmul_dtype" and value is None):
+                raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, got {value!r}")
 
     @property
     def d_head(self) -> int:
@@ -137,6 +146,11 @@ class TransformerConfig:
     def compute_dtype(self) -> jnp.dtype:
         """The jnp dtype that activations are computed in."""
         return _DTYPES[self.dtype]
+
+    @property
+    def matmul_operand_dtype(self) -> jnp.dtype | None:
+        """The jnp dtype matmul operands are rounded to; None when they are not."""
+        return None if self.matmul_dtype is None else _DTYPES[self.matmul_dtype]
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> TransformerConfig:

@@ -12,16 +12,43 @@ ones up to float rounding. On other backends the copies neither clearly help nor
 hurt: on an H100 the step with them took 11.0 ms against 13.2 ms with plain
 gradients for `mini` and 51.1 against 48.2 ms for `base` (one run each;
 benchmarks/EXPERIMENTS.md).
+
+Each product also takes `operand_dtype`: its operands are rounded to that dtype
+(bfloat16 for mixed precision), the products accumulate in float32, and the
+result comes back in the inputs' dtype, as do the gradients, whose own products
+round their operands the same way. Accumulating in float32 is also what keeps a
+bfloat16 product on XLA:CPU's fast kernels: a dot with a bfloat16 result runs
+outside them, slower than in float32.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+
+_NN = (((1,), (0,)), ((), ()))  # [N, K] . [K, M]
+_NT = (((1,), (1,)), ((), ()))  # [N, K] . [M, K]
+
+
+def _rounded(x: jax.Array, operand_dtype: jnp.dtype | None) -> jax.Array:
+    return x if operand_dtype is None else x.astype(operand_dtype)
+
+
+def _promoted(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Both operands in their common dtype, the dtype of the product and of both gradients."""
+    dtype = jnp.result_type(a, b)
+    return a.astype(dtype), b.astype(dtype)
+
+
+def _dot(a: jax.Array, b: jax.Array, dims: lax.DotDimensionNumbers, out_dtype) -> jax.Array:
+    """`lax.dot_general` accumulated in float32, returned as `out_dtype`."""
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def _materialized_transpose(x: jax.Array, axes: Sequence[int]) -> jax.Array:
@@ -29,13 +56,13 @@ def _materialized_transpose(x: jax.Array, axes: Sequence[int]) -> jax.Array:
     return lax.optimization_barrier(jnp.transpose(x, axes))
 
 
-def _product_transposed(a_MN: jax.Array, b_NK: jax.Array) -> jax.Array:
+def _product_transposed(a_MN: jax.Array, b_NK: jax.Array, out_dtype) -> jax.Array:
     """(a @ b)^T [K, M], the product kept whole before the transpose.
 
     Without the barrier on the product, XLA rewrites transpose(a @ b) as a dot
     contracting b over its first dimension: the slow kind again.
     """
-    return _materialized_transpose(lax.optimization_barrier(a_MN @ b_NK), (1, 0))
+    return _materialized_transpose(lax.optimization_barrier(_dot(a_MN, b_NK, _NN, out_dtype)), (1, 0))
 
 
 def dense_dot_general(
@@ -44,18 +71,22 @@ def dense_dot_general(
     dimension_numbers: lax.DotDimensionNumbers,
     precision: lax.PrecisionLike = None,
     preferred_element_type: jnp.dtype | None = None,
+    *,
+    operand_dtype: jnp.dtype | None = None,
 ) -> jax.Array:
     """`lax.dot_general` for a dense layer, with YNNPACK-friendly gradients.
 
     Takes the arguments of `lax.dot_general`, so it can be given to
-    `flax.linen.Dense(dot_general=...)` and `DenseGeneral`. When `lhs`'s last n
-    dimensions are contracted with `rhs`'s first n, in order, and there are no
-    batch dimensions (every dense layer of this model), the product and both
+    `flax.linen.Dense(dot_general=...)` and `DenseGeneral` (with
+    `functools.partial` for `operand_dtype`). When `lhs`'s last n dimensions
+    are contracted with `rhs`'s first n, in order, and there are no batch
+    dimensions (every dense layer of this model), the product and both
     gradients are computed as one 2-D matmul each: [N, K] x [K, M] forward,
     g [N, M] x w^T for the input gradient, and x^T [K, N] x g [N, M] (or
     (g^T [M, N] x x [N, K])^T when M < K, to transpose the smaller array) for
-    the weight gradient. Any other dimension numbers, or an explicit
-    `precision`, go to `lax.dot_general` unchanged.
+    the weight gradient, each with its operands rounded to `operand_dtype`
+    (None: as given). Any other dimension numbers, or an explicit `precision`,
+    go to `lax.dot_general` unchanged, `operand_dtype` aside.
     """
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     n = len(lhs_contract)
@@ -66,7 +97,9 @@ def dense_dot_general(
         and tuple(rhs_contract) == tuple(range(n))
     )
     if not dense or precision is not None:
-        return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+        out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+        lhs, rhs = _rounded(lhs, operand_dtype), _rounded(rhs, operand_dtype)
+        return lax.dot_general(lhs, rhs, dimension_numbers, precision, out_dtype)
     k = math.prod(rhs.shape[:n])
     out_shape = lhs.shape[: lhs.ndim - n] + rhs.shape[n:]
     x_NK = lhs.reshape(-1, k)
@@ -74,32 +107,39 @@ def dense_dot_general(
     if preferred_element_type is not None:
         x_NK = x_NK.astype(preferred_element_type)
         w_KM = w_KM.astype(preferred_element_type)
-    return _matmul(x_NK, w_KM).reshape(out_shape)
+    return _matmul(operand_dtype, *_promoted(x_NK, w_KM)).reshape(out_shape)
 
 
-@jax.custom_vjp
-def _matmul(x_NK: jax.Array, w_KM: jax.Array) -> jax.Array:
-    return x_NK @ w_KM
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _matmul(operand_dtype, x_NK: jax.Array, w_KM: jax.Array) -> jax.Array:
+    return _matmul_fwd(operand_dtype, x_NK, w_KM)[0]
 
 
-def _matmul_fwd(x_NK: jax.Array, w_KM: jax.Array):
-    return x_NK @ w_KM, (x_NK, w_KM)
+def _matmul_fwd(operand_dtype, x_NK: jax.Array, w_KM: jax.Array):
+    out_dtype = x_NK.dtype
+    # The residuals are the rounded operands, which the gradient's products take.
+    x_NK, w_KM = _rounded(x_NK, operand_dtype), _rounded(w_KM, operand_dtype)
+    return _dot(x_NK, w_KM, _NN, out_dtype), (x_NK, w_KM)
 
 
-def _matmul_bwd(residuals, g_NM: jax.Array):
+def _matmul_bwd(operand_dtype, residuals, g_NM: jax.Array):
     x_NK, w_KM = residuals
-    dx_NK = lax.dot_general(g_NM, w_KM, (((1,), (1,)), ((), ())))
+    out_dtype = g_NM.dtype
+    g_NM = _rounded(g_NM, operand_dtype)
+    dx_NK = _dot(g_NM, w_KM, _NT, out_dtype)
     if w_KM.shape[0] <= w_KM.shape[1]:
-        dw_KM = _materialized_transpose(x_NK, (1, 0)) @ g_NM
+        dw_KM = _dot(_materialized_transpose(x_NK, (1, 0)), g_NM, _NN, out_dtype)
     else:
-        dw_KM = _product_transposed(_materialized_transpose(g_NM, (1, 0)), x_NK)
-    return dx_NK.astype(x_NK.dtype), dw_KM.astype(w_KM.dtype)
+        dw_KM = _product_transposed(_materialized_transpose(g_NM, (1, 0)), x_NK, out_dtype)
+    return dx_NK, dw_KM
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def matmul_transposed(x: jax.Array, w_MK: jax.Array) -> jax.Array:
+def matmul_transposed(
+    x: jax.Array, w_MK: jax.Array, operand_dtype: jnp.dtype | None = None
+) -> jax.Array:
     """x [..., K] @ w^T for w [M, K] (a tied output projection), with YNNPACK-friendly gradients.
 
     The gradient of w is computed as (x^T g)^T: x [N, K] is the operand
@@ -109,39 +149,52 @@ def matmul_transposed(x: jax.Array, w_MK: jax.Array) -> jax.Array:
     Args:
       x: [..., K].
       w_MK: [M, K], e.g. an embedding table [vocab, d_model].
+      operand_dtype: the dtype the products' operands are rounded to; None
+        keeps them as they are.
 
     Returns:
-      [..., M].
+      [..., M], in the inputs' dtype.
     """
     k = w_MK.shape[1]
-    return _matmul_nt(x.reshape(-1, k), w_MK).reshape(*x.shape[:-1], w_MK.shape[0])
+    x_NK, w_MK = _promoted(x.reshape(-1, k), w_MK)
+    return _matmul_nt(operand_dtype, x_NK, w_MK).reshape(*x.shape[:-1], w_MK.shape[0])
 
 
-@jax.custom_vjp
-def _matmul_nt(x_NK: jax.Array, w_MK: jax.Array) -> jax.Array:
-    return lax.dot_general(x_NK, w_MK, (((1,), (1,)), ((), ())))
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _matmul_nt(operand_dtype, x_NK: jax.Array, w_MK: jax.Array) -> jax.Array:
+    return _matmul_nt_fwd(operand_dtype, x_NK, w_MK)[0]
 
 
-def _matmul_nt_fwd(x_NK: jax.Array, w_MK: jax.Array):
-    return _matmul_nt(x_NK, w_MK), (x_NK, w_MK)
+def _matmul_nt_fwd(operand_dtype, x_NK: jax.Array, w_MK: jax.Array):
+    out_dtype = x_NK.dtype
+    x_NK, w_MK = _rounded(x_NK, operand_dtype), _rounded(w_MK, operand_dtype)
+    return _dot(x_NK, w_MK, _NT, out_dtype), (x_NK, w_MK)
 
 
-def _matmul_nt_bwd(residuals, g_NM: jax.Array):
+def _matmul_nt_bwd(operand_dtype, residuals, g_NM: jax.Array):
     x_NK, w_MK = residuals
-    dx_NK = g_NM @ w_MK
-    dw_MK = _product_transposed(_materialized_transpose(x_NK, (1, 0)), g_NM)
-    return dx_NK.astype(x_NK.dtype), dw_MK.astype(w_MK.dtype)
+    out_dtype = g_NM.dtype
+    g_NM = _rounded(g_NM, operand_dtype)
+    dx_NK = _dot(g_NM, w_MK, _NN, out_dtype)
+    dw_MK = _product_transposed(_materialized_transpose(x_NK, (1, 0)), g_NM, out_dtype)
+    return dx_NK, dw_MK
 
 
 _matmul_nt.defvjp(_matmul_nt_fwd, _matmul_nt_bwd)
 
 
-def _scores(q_BQHD: jax.Array, k_BKHD: jax.Array) -> jax.Array:
-    return jnp.einsum("bqhd,bkhd->bhqk", q_BQHD, k_BKHD)
+def _scores(q_BQHD: jax.Array, k_BKHD: jax.Array, out_dtype) -> jax.Array:
+    scores_BHQK = jnp.einsum(
+        "bqhd,bkhd->bhqk", q_BQHD, k_BKHD, preferred_element_type=jnp.float32
+    )
+    return scores_BHQK.astype(out_dtype)
 
 
-def _weighted_sum(weights_BHQK: jax.Array, v_BKHD: jax.Array) -> jax.Array:
-    return jnp.einsum("bhqk,bkhd->bqhd", weights_BHQK, v_BKHD)
+def _weighted_sum(weights_BHQK: jax.Array, v_BKHD: jax.Array, out_dtype) -> jax.Array:
+    out_BQHD = jnp.einsum(
+        "bhqk,bkhd->bqhd", weights_BHQK, v_BKHD, preferred_element_type=jnp.float32
+    )
+    return out_BQHD.astype(out_dtype)
 
 
 def _swap_last_two(x_BHXY: jax.Array) -> jax.Array:
@@ -153,57 +206,82 @@ def _swap_last_two(x_BHXY: jax.Array) -> jax.Array:
 # last dimension of a [batch, heads, ., .] operand is given it transposed.
 
 
-@jax.custom_vjp
-def attention_scores(q_BQHD: jax.Array, k_BKHD: jax.Array) -> jax.Array:
+def attention_scores(
+    q_BQHD: jax.Array, k_BKHD: jax.Array, operand_dtype: jnp.dtype | None = None
+) -> jax.Array:
     """Q K^T per head: `einsum("bqhd,bkhd->bhqk")`, with YNNPACK-friendly gradients.
 
     Args:
       q_BQHD: queries [batch, q_len, heads, d_k].
       k_BKHD: keys [batch, kv_len, heads, d_k].
+      operand_dtype: the dtype the products' operands are rounded to; None
+        keeps them as they are.
 
     Returns:
-      [batch, heads, q_len, kv_len].
+      [batch, heads, q_len, kv_len], in the inputs' dtype.
     """
-    return _scores(q_BQHD, k_BKHD)
+    return _attention_scores(operand_dtype, *_promoted(q_BQHD, k_BKHD))
 
 
-def _attention_scores_fwd(q_BQHD: jax.Array, k_BKHD: jax.Array):
-    return attention_scores(q_BQHD, k_BKHD), (q_BQHD, k_BKHD)
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention_scores(operand_dtype, q_BQHD: jax.Array, k_BKHD: jax.Array) -> jax.Array:
+    return _attention_scores_fwd(operand_dtype, q_BQHD, k_BKHD)[0]
 
 
-def _attention_scores_bwd(residuals, g_BHQK: jax.Array):
+def _attention_scores_fwd(operand_dtype, q_BQHD: jax.Array, k_BKHD: jax.Array):
+    out_dtype = q_BQHD.dtype
+    q_BQHD, k_BKHD = _rounded(q_BQHD, operand_dtype), _rounded(k_BKHD, operand_dtype)
+    return _scores(q_BQHD, k_BKHD, out_dtype), (q_BQHD, k_BKHD)
+
+
+def _attention_scores_bwd(operand_dtype, residuals, g_BHQK: jax.Array):
     q_BQHD, k_BKHD = residuals
-    dq_BQHD = _weighted_sum(g_BHQK, k_BKHD)
-    dk_BKHD = _weighted_sum(_swap_last_two(g_BHQK), q_BQHD)
-    return dq_BQHD.astype(q_BQHD.dtype), dk_BKHD.astype(k_BKHD.dtype)
+    out_dtype = g_BHQK.dtype
+    g_BHQK = _rounded(g_BHQK, operand_dtype)
+    dq_BQHD = _weighted_sum(g_BHQK, k_BKHD, out_dtype)
+    dk_BKHD = _weighted_sum(_swap_last_two(g_BHQK), q_BQHD, out_dtype)
+    return dq_BQHD, dk_BKHD
 
 
-attention_scores.defvjp(_attention_scores_fwd, _attention_scores_bwd)
+_attention_scores.defvjp(_attention_scores_fwd, _attention_scores_bwd)
 
 
-@jax.custom_vjp
-def attend(weights_BHQK: jax.Array, v_BKHD: jax.Array) -> jax.Array:
+def attend(
+    weights_BHQK: jax.Array, v_BKHD: jax.Array, operand_dtype: jnp.dtype | None = None
+) -> jax.Array:
     """Values weighted per head, `einsum("bhqk,bkhd->bqhd")`, with YNNPACK-friendly gradients.
 
     Args:
       weights_BHQK: attention weights [batch, heads, q_len, kv_len].
       v_BKHD: values [batch, kv_len, heads, d_v].
+      operand_dtype: the dtype the products' operands are rounded to; None
+        keeps them as they are.
 
     Returns:
-      [batch, q_len, heads, d_v].
+      [batch, q_len, heads, d_v], in the inputs' dtype.
     """
-    return _weighted_sum(weights_BHQK, v_BKHD)
+    return _attend(operand_dtype, *_promoted(weights_BHQK, v_BKHD))
 
 
-def _attend_fwd(weights_BHQK: jax.Array, v_BKHD: jax.Array):
-    return attend(weights_BHQK, v_BKHD), (weights_BHQK, v_BKHD)
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(operand_dtype, weights_BHQK: jax.Array, v_BKHD: jax.Array) -> jax.Array:
+    return _attend_fwd(operand_dtype, weights_BHQK, v_BKHD)[0]
 
 
-def _attend_bwd(residuals, g_BQHD: jax.Array):
+def _attend_fwd(operand_dtype, weights_BHQK: jax.Array, v_BKHD: jax.Array):
+    out_dtype = v_BKHD.dtype
+    weights_BHQK = _rounded(weights_BHQK, operand_dtype)
+    v_BKHD = _rounded(v_BKHD, operand_dtype)
+    return _weighted_sum(weights_BHQK, v_BKHD, out_dtype), (weights_BHQK, v_BKHD)
+
+
+def _attend_bwd(operand_dtype, residuals, g_BQHD: jax.Array):
     weights_BHQK, v_BKHD = residuals
-    dweights_BHQK = _scores(g_BQHD, v_BKHD)
-    dv_BKHD = _weighted_sum(_swap_last_two(weights_BHQK), g_BQHD)
-    return dweights_BHQK.astype(weights_BHQK.dtype), dv_BKHD.astype(v_BKHD.dtype)
+    out_dtype = g_BQHD.dtype
+    g_BQHD = _rounded(g_BQHD, operand_dtype)
+    dweights_BHQK = _scores(g_BQHD, v_BKHD, out_dtype)
+    dv_BKHD = _weighted_sum(_swap_last_two(weights_BHQK), g_BQHD, out_dtype)
+    return dweights_BHQK, dv_BKHD
 
 
-attend.defvjp(_attend_fwd, _attend_bwd)
+_attend.defvjp(_attend_fwd, _attend_bwd)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +59,7 @@ def _dense(features: int, cfg: TransformerConfig, name: str) -> nn.Dense:
         dtype=cfg.compute_dtype,
         param_dtype=jnp.float32,
         kernel_init=nn.initializers.xavier_uniform(),
-        dot_general=dense_dot_general,
+        dot_general=partial(dense_dot_general, operand_dtype=cfg.matmul_operand_dtype),
         name=name,
     )
 
@@ -286,7 +287,8 @@ class Decoder(nn.Module):
             y_BTD, embedding_VD = self.embed.promote_dtype(
                 y_BTD, self.embed.embedding, dtype=self.embed.dtype
             )
-            logits_BTV = matmul_transposed(y_BTD, embedding_VD)  # Embed.attend's product
+            # Embed.attend's product.
+            logits_BTV = matmul_transposed(y_BTD, embedding_VD, cfg.matmul_operand_dtype)
         else:
             logits_BTV = _dense(cfg.vocab_size, cfg, "output_projection")(y_BTD)
         return logits_BTV.astype(jnp.float32)
