@@ -17,7 +17,7 @@ _HEADS_DIMS = (((2, 3), (0, 1)), ((), ()))  # x [B, L, H, D] . w [H, D, M], as t
 
 
 def _dense(dims):
-    return lambda x, w: dense_dot_general(x, w, dims)
+    return lambda x, w, **kwargs: dense_dot_general(x, w, dims, **kwargs)
 
 
 def _plain_dense(dims):
@@ -73,6 +73,42 @@ def test_values_and_gradients_equal_the_plain_product(name, product, plain, shap
         np.testing.assert_allclose(grad, plain_grad, rtol=1e-4, atol=1e-4)
 
 
+def _to_bfloat16_values(x):
+    """x rounded to bfloat16, kept in float32."""
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def _with_bfloat16_operands(product):
+    return lambda a, b: product(a, b, operand_dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("name,product,plain,shapes", CASES, ids=IDS)
+def test_bfloat16_operands_give_the_product_of_the_rounded_operands(name, product, plain, shapes):
+    a, b = _operands(shapes)
+    ours = _with_bfloat16_operands(product)
+    out = ours(a, b)
+    assert out.dtype == jnp.float32
+    # A product of bfloat16 values is exact in float32: only the sums round.
+    rounded = plain(_to_bfloat16_values(a), _to_bfloat16_values(b))
+    np.testing.assert_allclose(out, rounded, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(out - plain(a, b))).max() > 1e-3  # the operands were rounded
+
+
+@pytest.mark.parametrize("name,product,plain,shapes", CASES, ids=IDS)
+def test_bfloat16_operands_keep_float32_gradients(name, product, plain, shapes):
+    a, b = _operands(shapes)
+    out, vjp = jax.vjp(_with_bfloat16_operands(product), a, b)
+    g = jax.random.normal(jax.random.PRNGKey(1), out.shape)
+    # Each gradient product rounds its operands (g among them) and sums in float32.
+    _, plain_vjp = jax.vjp(plain, _to_bfloat16_values(a), _to_bfloat16_values(b))
+    expected = plain_vjp(_to_bfloat16_values(g))
+    for grad, want in zip(vjp(g), expected, strict=True):
+        assert grad.dtype == jnp.float32
+        np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5)
+        # Not rounded to bfloat16 on the way out, as a cast in front of the product would.
+        assert np.any(np.asarray(grad) != np.asarray(_to_bfloat16_values(grad)))
+
+
 def _unfused_dots(hlo_text: str) -> list[str]:
     """The dot instructions of compiled HLO that are not inside a fusion (XLA:CPU's Eigen dots)."""
     fused = set(re.findall(r" fusion\(.*calls=%([\w.\-]+)", hlo_text))
@@ -123,6 +159,42 @@ def test_the_model_gradient_has_no_eigen_dots_on_cpu():
     hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
     assert "ynn_fusion" in hlo
     assert _unfused_dots(hlo) == []
+
+
+def _dot_operand_dtypes(hlo_text: str) -> list[tuple[str, str]]:
+    """(lhs, rhs) element types of every dot in compiled HLO, fused or not."""
+    dtypes, pairs = {}, []
+    for line in hlo_text.splitlines():
+        defined = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[", line)
+        if defined:
+            dtypes[defined.group(1)] = defined.group(2)
+        dot = re.search(r" dot\(%([\w.\-]+), %([\w.\-]+)\)", line)
+        if dot:  # operands are defined before use within a computation
+            pairs.append((dtypes[dot.group(1)], dtypes[dot.group(2)]))
+    return pairs
+
+
+@pytest.mark.parametrize(
+    "settings", [dict(matmul_dtype="bfloat16"), dict(dtype="bfloat16")], ids=["matmul", "compute"]
+)
+def test_bfloat16_model_gradient_runs_bfloat16_dots_in_the_matmul_library_on_cpu(settings):
+    _skip_unless_cpu_runs_matmuls_in_ynnpack()
+    # A bfloat16 dot with a bfloat16 result runs on float32 copies of its operands;
+    # accumulating in float32 is what gives the library the bfloat16 operands.
+    cfg = TransformerConfig.preset("tiny", vocab_size=64, num_heads=2, **settings)
+    model = Transformer(cfg)
+    src, tgt = (jnp.full((8, 16), 5, jnp.int32) for _ in range(2))
+    params = model.init(jax.random.PRNGKey(0), src, tgt)
+
+    def loss(params):
+        rngs = {"dropout": jax.random.PRNGKey(1)}
+        return jnp.sum(jnp.sin(model.apply(params, src, tgt, train=True, rngs=rngs)))
+
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    assert _unfused_dots(hlo) == []
+    pairs = _dot_operand_dtypes(hlo)
+    assert len(pairs) >= 40  # 6 per layer forward, more backward
+    assert set(pairs) == {("bf16", "bf16")}
 
 
 def test_flax_dense_with_the_dot_has_the_same_parameters_and_outputs():

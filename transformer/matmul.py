@@ -53,7 +53,14 @@ def _dot(a: jax.Array, b: jax.Array, dims: lax.DotDimensionNumbers, out_dtype) -
 
 def _materialized_transpose(x: jax.Array, axes: Sequence[int]) -> jax.Array:
     """`jnp.transpose(x, axes)` as a real copy, which XLA will not fold into a consumer dot."""
-    return lax.optimization_barrier(jnp.transpose(x, axes))
+    transposed = jnp.transpose(x, axes)
+    if x.dtype == jnp.float32:
+        return lax.optimization_barrier(transposed)
+    # XLA:CPU decides which dots it can run on bfloat16 operands while a transpose
+    # is still a layout, and runs such an operand's dot on float32 copies; taken
+    # flat through the barrier, the transposed copy is an ordinary array to it.
+    flat = lax.optimization_barrier(transposed.reshape(-1))
+    return flat.reshape(transposed.shape)
 
 
 def _product_transposed(a_MN: jax.Array, b_NK: jax.Array, out_dtype) -> jax.Array:
