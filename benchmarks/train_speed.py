@@ -11,8 +11,9 @@ layer norm and the optimizer are not counted, as is usual for utilization).
 The peak is the best FLOP/s of a large matmul in the step's matmul dtype
 (float32, or bfloat16 operands with `--matmul-dtype bfloat16`; both accumulate
 in float32), timed on the same devices at the start and after every 5 timed
-steps, so through the same minutes as the steps. It also reports how many batch shapes the default data
-pipeline compiles on Multi30k and the compile time of the first step.
+steps, so through the same minutes as the steps. It also reports how many batch
+shapes the default data pipeline compiles on Multi30k and the compile time of
+the first step.
 """
 
 from __future__ import annotations
@@ -266,8 +267,9 @@ def main() -> None:
         results.append((name, first, seconds, flops))
     peak = max(peaks)
     print(
-        f"peak matmul: {peak / 1e9:.1f} GFLOP/s ({args.matmul_size}^3 {args.matmul_dtype}, the best of "
-        f"{len(peaks)} timed through the run; their median {np.median(peaks) / 1e9:.1f})"
+        f"peak matmul: {peak / 1e9:.1f} GFLOP/s ({args.matmul_size}^3 {args.matmul_dtype}, "
+        f"the best of {len(peaks)} timed through the run; "
+        f"their median {np.median(peaks) / 1e9:.1f})"
     )
     for name, first, seconds, flops in results:
         tokens_per_s = args.rows * args.tgt_len / seconds

@@ -213,7 +213,12 @@ def test_software_environment_names_the_commit_and_the_package_versions():
         assert environment["cpu"].startswith(f"{name}, family ")
         flags = next(x for x in lines if x.startswith("flags")).split()
         if "avx2" in flags:
-            assert environment["cpu"].endswith(", AVX-512" if "avx512f" in flags else ", AVX2")
+            units = ["AVX-512" if "avx512f" in flags else "AVX2"]
+            if "amx_bf16" in flags:
+                units.append("AMX-BF16")
+            elif "avx512_bf16" in flags:
+                units.append("AVX512-BF16")
+            assert environment["cpu"].endswith(", " + ", ".join(units))
 
 
 def test_an_installed_copy_inside_another_git_checkout_records_no_commit(tmp_path):

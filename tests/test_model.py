@@ -278,6 +278,23 @@ def test_bfloat16_compute_keeps_float32_parameters():
     np.testing.assert_allclose(out, reference, atol=0.1)
 
 
+def test_bfloat16_matmuls_keep_float32_activations_and_an_old_config_loads():
+    src, tgt = _batch(np.random.default_rng(12))
+    model, params = _init(_config(matmul_dtype="bfloat16"), src, tgt)
+    out = _logits_fn(model)(params, src, tgt)
+    reference = _logits_fn(Transformer(_config()))(params, src, tgt)
+    compute = _logits_fn(Transformer(_config(dtype="bfloat16")))(params, src, tgt)
+    assert out.dtype == jnp.float32
+    # Rounding only the matmul operands stays closer to float32 than bfloat16 compute.
+    error = np.abs(np.asarray(out - reference)).max()
+    assert 0 < error < np.abs(np.asarray(compute - reference)).max()
+    np.testing.assert_allclose(out, reference, atol=0.05)
+    old_workdir = {k: v for k, v in _config().to_dict().items() if k != "matmul_dtype"}
+    assert TransformerConfig.from_dict(old_workdir).matmul_dtype is None
+    with pytest.raises(ValueError, match="matmul_dtype must be one of"):
+        _config(matmul_dtype="int8")
+
+
 def test_shared_embeddings_tie_source_target_and_output():
     src, tgt = _batch(np.random.default_rng(10))
     _, shared = _init(_config(), src, tgt)

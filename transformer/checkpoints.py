@@ -173,7 +173,8 @@ def _code_revision() -> str | None:
 def _cpu_model() -> str | None:
     """e.g. "AMD EPYC, family 25 model 17, AVX-512" (Linux), else `platform.processor()`.
 
-    Family, model and vector width, since hosts behind one model name differ, and XLA and
+    Family, model, vector width and bfloat16 matrix instructions ("AMX-BF16" or
+    "AVX512-BF16", when present), since hosts behind one model name differ, and XLA and
     its matmul kernels pick code for the CPU they find.
     """
     fields: dict[str, str] = {}
@@ -193,10 +194,19 @@ def _cpu_model() -> str | None:
         (name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags),
         None,
     )
+    # bfloat16 matrix instructions, which decide the speed of `matmul_dtype="bfloat16"`.
+    bfloat16 = next(
+        (
+            name
+            for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"))
+            if flag in flags
+        ),
+        None,
+    )
     parts = [fields["model name"]]
     if "cpu family" in fields and "model" in fields:
         parts.append(f"family {fields['cpu family']} model {fields['model']}")
-    return ", ".join(parts + ([widest] if widest else []))
+    return ", ".join(parts + [name for name in (widest, bfloat16) if name])
 
 
 def software_environment() -> dict[str, Any]:

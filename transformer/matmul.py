@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-
 _NN = (((1,), (0,)), ((), ()))  # [N, K] . [K, M]
 _NT = (((1,), (1,)), ((), ()))  # [N, K] . [M, K]
 
@@ -69,7 +68,9 @@ def _product_transposed(a_MN: jax.Array, b_NK: jax.Array, out_dtype) -> jax.Arra
     Without the barrier on the product, XLA rewrites transpose(a @ b) as a dot
     contracting b over its first dimension: the slow kind again.
     """
-    return _materialized_transpose(lax.optimization_barrier(_dot(a_MN, b_NK, _NN, out_dtype)), (1, 0))
+    return _materialized_transpose(
+        lax.optimization_barrier(_dot(a_MN, b_NK, _NN, out_dtype)), (1, 0)
+    )
 
 
 def dense_dot_general(
@@ -191,9 +192,7 @@ _matmul_nt.defvjp(_matmul_nt_fwd, _matmul_nt_bwd)
 
 
 def _scores(q_BQHD: jax.Array, k_BKHD: jax.Array, out_dtype) -> jax.Array:
-    scores_BHQK = jnp.einsum(
-        "bqhd,bkhd->bhqk", q_BQHD, k_BKHD, preferred_element_type=jnp.float32
-    )
+    scores_BHQK = jnp.einsum("bqhd,bkhd->bhqk", q_BQHD, k_BKHD, preferred_element_type=jnp.float32)
     return scores_BHQK.astype(out_dtype)
 
 
