@@ -144,10 +144,10 @@ def test_every_gradient_matmul_runs_in_the_matmul_library_on_cpu(name, product, 
         assert _unfused_dots(_gradient_hlo(plain, shapes))
 
 
-def test_the_model_gradient_has_no_eigen_dots_on_cpu():
-    _skip_unless_cpu_runs_matmuls_in_ynnpack()
+def _tiny_model_gradient_hlo(**settings) -> str:
+    """Compiled HLO of a small model's training gradient, with config `settings`."""
     # Every dimension at least 8 (d_head 16), so XLA:CPU would give each dot to YNNPACK.
-    cfg = TransformerConfig.preset("tiny", vocab_size=64, num_heads=2)
+    cfg = TransformerConfig.preset("tiny", vocab_size=64, num_heads=2, **settings)
     model = Transformer(cfg)
     src, tgt = (jnp.full((8, 16), 5, jnp.int32) for _ in range(2))
     params = model.init(jax.random.PRNGKey(0), src, tgt)
@@ -156,7 +156,12 @@ def test_the_model_gradient_has_no_eigen_dots_on_cpu():
         rngs = {"dropout": jax.random.PRNGKey(1)}
         return jnp.sum(jnp.sin(model.apply(params, src, tgt, train=True, rngs=rngs)))
 
-    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    return jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+
+
+def test_the_model_gradient_has_no_eigen_dots_on_cpu():
+    _skip_unless_cpu_runs_matmuls_in_ynnpack()
+    hlo = _tiny_model_gradient_hlo()
     assert "ynn_fusion" in hlo
     assert _unfused_dots(hlo) == []
 
@@ -181,16 +186,7 @@ def test_bfloat16_model_gradient_runs_bfloat16_dots_in_the_matmul_library_on_cpu
     _skip_unless_cpu_runs_matmuls_in_ynnpack()
     # A bfloat16 dot with a bfloat16 result runs on float32 copies of its operands;
     # accumulating in float32 is what gives the library the bfloat16 operands.
-    cfg = TransformerConfig.preset("tiny", vocab_size=64, num_heads=2, **settings)
-    model = Transformer(cfg)
-    src, tgt = (jnp.full((8, 16), 5, jnp.int32) for _ in range(2))
-    params = model.init(jax.random.PRNGKey(0), src, tgt)
-
-    def loss(params):
-        rngs = {"dropout": jax.random.PRNGKey(1)}
-        return jnp.sum(jnp.sin(model.apply(params, src, tgt, train=True, rngs=rngs)))
-
-    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    hlo = _tiny_model_gradient_hlo(**settings)
     assert _unfused_dots(hlo) == []
     pairs = _dot_operand_dtypes(hlo)
     assert len(pairs) >= 40  # 6 per layer forward, more backward
