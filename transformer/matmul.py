@@ -73,6 +73,32 @@ def _product_transposed(a_MN: jax.Array, b_NK: jax.Array, out_dtype) -> jax.Arra
     )
 
 
+def _rounded_product(product, gradients):
+    """`f(a, b, operand_dtype)`: a product of two operands with a custom VJP.
+
+    The operands are first promoted to their common dtype, which the product and
+    both gradients come back in. `product(a, b, out_dtype)` and
+    `gradients(a, b, g, out_dtype)` see the operands and the output gradient g
+    rounded to `operand_dtype` (None: as given); the rounded operands are the
+    residuals kept for the backward pass.
+    """
+
+    @partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def rounded_product(operand_dtype, a: jax.Array, b: jax.Array) -> jax.Array:
+        return forward(operand_dtype, a, b)[0]
+
+    def forward(operand_dtype, a: jax.Array, b: jax.Array):
+        out_dtype = a.dtype
+        a, b = _rounded(a, operand_dtype), _rounded(b, operand_dtype)
+        return product(a, b, out_dtype), (a, b)
+
+    def backward(operand_dtype, residuals, g: jax.Array):
+        return gradients(*residuals, _rounded(g, operand_dtype), g.dtype)
+
+    rounded_product.defvjp(forward, backward)
+    return lambda a, b, operand_dtype: rounded_product(operand_dtype, *_promoted(a, b))
+
+
 def dense_dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -115,25 +141,10 @@ def dense_dot_general(
     if preferred_element_type is not None:
         x_NK = x_NK.astype(preferred_element_type)
         w_KM = w_KM.astype(preferred_element_type)
-    return _matmul(operand_dtype, *_promoted(x_NK, w_KM)).reshape(out_shape)
+    return _matmul(x_NK, w_KM, operand_dtype).reshape(out_shape)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _matmul(operand_dtype, x_NK: jax.Array, w_KM: jax.Array) -> jax.Array:
-    return _matmul_fwd(operand_dtype, x_NK, w_KM)[0]
-
-
-def _matmul_fwd(operand_dtype, x_NK: jax.Array, w_KM: jax.Array):
-    out_dtype = x_NK.dtype
-    # The residuals are the rounded operands, which the gradient's products take.
-    x_NK, w_KM = _rounded(x_NK, operand_dtype), _rounded(w_KM, operand_dtype)
-    return _dot(x_NK, w_KM, _NN, out_dtype), (x_NK, w_KM)
-
-
-def _matmul_bwd(operand_dtype, residuals, g_NM: jax.Array):
-    x_NK, w_KM = residuals
-    out_dtype = g_NM.dtype
-    g_NM = _rounded(g_NM, operand_dtype)
+def _matmul_gradients(x_NK: jax.Array, w_KM: jax.Array, g_NM: jax.Array, out_dtype):
     dx_NK = _dot(g_NM, w_KM, _NT, out_dtype)
     if w_KM.shape[0] <= w_KM.shape[1]:
         dw_KM = _dot(_materialized_transpose(x_NK, (1, 0)), g_NM, _NN, out_dtype)
@@ -142,7 +153,7 @@ def _matmul_bwd(operand_dtype, residuals, g_NM: jax.Array):
     return dx_NK, dw_KM
 
 
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_matmul = _rounded_product(lambda x, w, out_dtype: _dot(x, w, _NN, out_dtype), _matmul_gradients)
 
 
 def matmul_transposed(
@@ -164,31 +175,19 @@ def matmul_transposed(
       [..., M], in the inputs' dtype.
     """
     k = w_MK.shape[1]
-    x_NK, w_MK = _promoted(x.reshape(-1, k), w_MK)
-    return _matmul_nt(operand_dtype, x_NK, w_MK).reshape(*x.shape[:-1], w_MK.shape[0])
+    logits_NM = _matmul_nt(x.reshape(-1, k), w_MK, operand_dtype)
+    return logits_NM.reshape(*x.shape[:-1], w_MK.shape[0])
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _matmul_nt(operand_dtype, x_NK: jax.Array, w_MK: jax.Array) -> jax.Array:
-    return _matmul_nt_fwd(operand_dtype, x_NK, w_MK)[0]
-
-
-def _matmul_nt_fwd(operand_dtype, x_NK: jax.Array, w_MK: jax.Array):
-    out_dtype = x_NK.dtype
-    x_NK, w_MK = _rounded(x_NK, operand_dtype), _rounded(w_MK, operand_dtype)
-    return _dot(x_NK, w_MK, _NT, out_dtype), (x_NK, w_MK)
-
-
-def _matmul_nt_bwd(operand_dtype, residuals, g_NM: jax.Array):
-    x_NK, w_MK = residuals
-    out_dtype = g_NM.dtype
-    g_NM = _rounded(g_NM, operand_dtype)
+def _matmul_nt_gradients(x_NK: jax.Array, w_MK: jax.Array, g_NM: jax.Array, out_dtype):
     dx_NK = _dot(g_NM, w_MK, _NN, out_dtype)
     dw_MK = _product_transposed(_materialized_transpose(x_NK, (1, 0)), g_NM, out_dtype)
     return dx_NK, dw_MK
 
 
-_matmul_nt.defvjp(_matmul_nt_fwd, _matmul_nt_bwd)
+_matmul_nt = _rounded_product(
+    lambda x, w, out_dtype: _dot(x, w, _NT, out_dtype), _matmul_nt_gradients
+)
 
 
 def _scores(q_BQHD: jax.Array, k_BKHD: jax.Array, out_dtype) -> jax.Array:
@@ -226,30 +225,16 @@ def attention_scores(
     Returns:
       [batch, heads, q_len, kv_len], in the inputs' dtype.
     """
-    return _attention_scores(operand_dtype, *_promoted(q_BQHD, k_BKHD))
+    return _attention_scores(q_BQHD, k_BKHD, operand_dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention_scores(operand_dtype, q_BQHD: jax.Array, k_BKHD: jax.Array) -> jax.Array:
-    return _attention_scores_fwd(operand_dtype, q_BQHD, k_BKHD)[0]
-
-
-def _attention_scores_fwd(operand_dtype, q_BQHD: jax.Array, k_BKHD: jax.Array):
-    out_dtype = q_BQHD.dtype
-    q_BQHD, k_BKHD = _rounded(q_BQHD, operand_dtype), _rounded(k_BKHD, operand_dtype)
-    return _scores(q_BQHD, k_BKHD, out_dtype), (q_BQHD, k_BKHD)
-
-
-def _attention_scores_bwd(operand_dtype, residuals, g_BHQK: jax.Array):
-    q_BQHD, k_BKHD = residuals
-    out_dtype = g_BHQK.dtype
-    g_BHQK = _rounded(g_BHQK, operand_dtype)
+def _attention_scores_gradients(q_BQHD: jax.Array, k_BKHD: jax.Array, g_BHQK: jax.Array, out_dtype):
     dq_BQHD = _weighted_sum(g_BHQK, k_BKHD, out_dtype)
     dk_BKHD = _weighted_sum(_swap_last_two(g_BHQK), q_BQHD, out_dtype)
     return dq_BQHD, dk_BKHD
 
 
-_attention_scores.defvjp(_attention_scores_fwd, _attention_scores_bwd)
+_attention_scores = _rounded_product(_scores, _attention_scores_gradients)
 
 
 def attend(
@@ -266,28 +251,13 @@ def attend(
     Returns:
       [batch, q_len, heads, d_v], in the inputs' dtype.
     """
-    return _attend(operand_dtype, *_promoted(weights_BHQK, v_BKHD))
+    return _attend(weights_BHQK, v_BKHD, operand_dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(operand_dtype, weights_BHQK: jax.Array, v_BKHD: jax.Array) -> jax.Array:
-    return _attend_fwd(operand_dtype, weights_BHQK, v_BKHD)[0]
-
-
-def _attend_fwd(operand_dtype, weights_BHQK: jax.Array, v_BKHD: jax.Array):
-    out_dtype = v_BKHD.dtype
-    weights_BHQK = _rounded(weights_BHQK, operand_dtype)
-    v_BKHD = _rounded(v_BKHD, operand_dtype)
-    return _weighted_sum(weights_BHQK, v_BKHD, out_dtype), (weights_BHQK, v_BKHD)
-
-
-def _attend_bwd(operand_dtype, residuals, g_BQHD: jax.Array):
-    weights_BHQK, v_BKHD = residuals
-    out_dtype = g_BQHD.dtype
-    g_BQHD = _rounded(g_BQHD, operand_dtype)
+def _attend_gradients(weights_BHQK: jax.Array, v_BKHD: jax.Array, g_BQHD: jax.Array, out_dtype):
     dweights_BHQK = _scores(g_BQHD, v_BKHD, out_dtype)
     dv_BKHD = _weighted_sum(_swap_last_two(weights_BHQK), g_BQHD, out_dtype)
     return dweights_BHQK, dv_BKHD
 
 
-_attend.defvjp(_attend_fwd, _attend_bwd)
+_attend = _rounded_product(_weighted_sum, _attend_gradients)
