@@ -189,20 +189,14 @@ def _cpu_model() -> str | None:
         pass
     if "model name" not in fields:
         return platform.processor() or None
-    flags = fields.get("flags", "").split()
-    widest = next(
-        (name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags),
-        None,
-    )
+    flags = set(fields.get("flags", "").split())
+
+    def first_present(*candidates: tuple[str, str]) -> str | None:
+        return next((name for flag, name in candidates if flag in flags), None)
+
+    widest = first_present(("avx512f", "AVX-512"), ("avx2", "AVX2"))
     # bfloat16 matrix instructions, which decide the speed of `matmul_dtype="bfloat16"`.
-    bfloat16 = next(
-        (
-            name
-            for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"))
-            if flag in flags
-        ),
-        None,
-    )
+    bfloat16 = first_present(("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"))
     parts = [fields["model name"]]
     if "cpu family" in fields and "model" in fields:
         parts.append(f"family {fields['cpu family']} model {fields['model']}")
