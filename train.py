@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--matmul-dtype",
         choices=["float32", "bfloat16"],
         help="round every matmul's operands to this dtype, accumulating in float32 "
-        "(bfloat16: faster on CPUs with bfloat16 matrix units) [--dtype]",
+        "(bfloat16: faster on CPUs with AMX or AVX512-BF16) [--dtype]",
     )
 
     t = p.add_argument_group("training (TrainConfig)")

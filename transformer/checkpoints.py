@@ -173,7 +173,7 @@ def _code_revision() -> str | None:
 def _cpu_model() -> str | None:
     """e.g. "AMD EPYC, family 25 model 17, AVX-512" (Linux), else `platform.processor()`.
 
-    Family, model, vector width and bfloat16 matrix instructions ("AMX-BF16" or
+    Family, model, vector width and bfloat16 instructions ("AMX-BF16" or
     "AVX512-BF16", when present), since hosts behind one model name differ, and XLA and
     its matmul kernels pick code for the CPU they find.
     """
@@ -195,7 +195,8 @@ def _cpu_model() -> str | None:
         return next((name for flag, name in candidates if flag in flags), None)
 
     widest = first_present(("avx512f", "AVX-512"), ("avx2", "AVX2"))
-    # bfloat16 matrix instructions, which decide the speed of `matmul_dtype="bfloat16"`.
+    # bfloat16 instructions (a matrix unit, or dot products), which decide the speed of
+    # `matmul_dtype="bfloat16"`.
     bfloat16 = first_present(("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"))
     parts = [fields["model name"]]
     if "cpu family" in fields and "model" in fields:

@@ -93,7 +93,7 @@ class TransformerConfig:
         `dtype`. None takes them as they are, in `dtype`. "bfloat16" with the
         float32 `dtype` is mixed precision in the matmuls alone: layer norm,
         softmax, the loss and the gradients stay float32. It runs the step
-        faster on CPUs with bfloat16 matrix units (benchmarks/EXPERIMENTS.md).
+        faster on CPUs with AMX or AVX512-BF16 (benchmarks/EXPERIMENTS.md).
       pad_id: the padding token id; masks are derived from it.
     """
 
