@@ -27,6 +27,7 @@ The training curve (loss and validation BLEU against time, from metrics.jsonl)::
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from sacrebleu.metrics import BLEU, CHRF
 
 from data import CorpusSpec, DataError, load_corpus, read_aligned_lines, read_lines
 from transformer.checkpoints import CheckpointError, checkpoint_steps
+from transformer.compilation_cache import default_cache_dir, persistent_compilation_cache
 from transformer.host_memory import keep_freed_host_memory
 from transformer.translate import Run, detokenize, encode_sources, load_run, translate_ids
 
@@ -112,9 +114,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     plots.add_argument("--plot-dir", default="attention_plots", help="where to write the PNGs")
     plots.add_argument("--plot-heads", action="store_true", help="also a per-head grid per layer")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--compilation-cache",
+        metavar="DIR",
+        default=argparse.SUPPRESS,
+        help="where compiled programs are kept for later runs to load [$JAX_COMPILATION_CACHE_DIR, "
+        "else $TRANSFORMER_MT_CACHE/xla or ~/.cache/transformer-mt/xla]",
+    )
+    p.add_argument(
+        "--no-compilation-cache",
+        action="store_true",
+        help="compile every program afresh and keep none",
+    )
     args = p.parse_args(argv)
-    # Not given = None (kept out of the help's "(default: ...)": the default is averaging).
-    for name in ("checkpoint", "average_last"):
+    # Not given = None (kept out of the help's "(default: ...)": the default is averaging,
+    # and the cache's is worked out when it is used).
+    for name in ("checkpoint", "average_last", "compilation_cache"):
         setattr(args, name, getattr(args, name, None))
     return args
 
@@ -267,6 +282,13 @@ def main(
     """The command line; `load` gives the parameters to decode with (benchmarks/soup.py's own)."""
     args = parse_args(argv)
     keep_freed_host_memory()  # before the first computation starts XLA's threads
+    cache = None if args.no_compilation_cache else args.compilation_cache or default_cache_dir()
+    with persistent_compilation_cache(cache, warn=functools.partial(print, file=sys.stderr)):
+        return _evaluate(args, load)
+
+
+def _evaluate(args: argparse.Namespace, load: Callable[[argparse.Namespace], Run]) -> int:
+    """main's work once flags are parsed; errors become `error: ...` lines and status 2."""
     try:
         _check_args(args)
         if args.plot_curve:

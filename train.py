@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import re
 import signal
@@ -227,6 +228,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     o = p.add_argument_group("output and multi-host")
     o.add_argument("--no-progress", action="store_true", help="no progress bar (for log files)")
+    o.add_argument(
+        "--compilation-cache",
+        metavar="DIR",
+        help="where compiled programs are kept for later runs and resumes to load "
+        "[$JAX_COMPILATION_CACHE_DIR, else $TRANSFORMER_MT_CACHE/xla or "
+        "~/.cache/transformer-mt/xla]",
+    )
+    o.add_argument(
+        "--no-compilation-cache",
+        action="store_true",
+        help="compile every program afresh and keep none",
+    )
     o.add_argument(
         "--coordinator-address",
         help="host:port of process 0; starts jax.distributed for a multi-host run "
@@ -532,6 +545,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def compilation_cache_dir(args: argparse.Namespace) -> str | None:
+    """The directory of --compilation-cache (or its default); None with --no-compilation-cache."""
+    from transformer.compilation_cache import default_cache_dir
+
+    if args.no_compilation_cache:
+        return None
+    return args.compilation_cache or default_cache_dir()
+
+
 def _duration(seconds: float) -> str:
     return time.strftime("%H:%M:%S", time.gmtime(seconds))
 
@@ -541,12 +563,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from data import DataError
     from transformer.checkpoints import CheckpointError
+    from transformer.compilation_cache import persistent_compilation_cache
     from transformer.host_memory import keep_freed_host_memory
     from transformer.training import NonFiniteLossError
 
     keep_freed_host_memory()  # before the first computation starts XLA's threads
+    warn = functools.partial(print, file=sys.stderr)
     try:
-        return run(args)
+        with persistent_compilation_cache(compilation_cache_dir(args), warn=warn):
+            return run(args)
     except (DataError, CheckpointError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

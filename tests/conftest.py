@@ -1,5 +1,6 @@
-"""Shared fixtures: where the repository and the real Multi30k data are."""
+"""Shared fixtures: where the repository and the real Multi30k data are; a private cache root."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,20 @@ def multi30k_tokenizer(multi30k_dir: Path, tmp_path_factory: pytest.TempPathFact
     corpus = data.load_corpus(data.CorpusSpec(data_dir=str(multi30k_dir)), "train")
     path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.model"
     return data.train_tokenizer(corpus.src + corpus.tgt, path)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_root(tmp_path_factory: pytest.TempPathFactory):
+    """The project's caches (compiled programs among them) go to a temporary folder, never
+    into ~/.cache, for the whole session; tests that need another root set their own."""
+    saved = {
+        name: os.environ.get(name) for name in ("TRANSFORMER_MT_CACHE", "JAX_COMPILATION_CACHE_DIR")
+    }
+    os.environ["TRANSFORMER_MT_CACHE"] = str(tmp_path_factory.mktemp("transformer_mt_cache"))
+    os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

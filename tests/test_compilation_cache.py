@@ -1,0 +1,115 @@
+"""The persistent compilation cache: programs compiled in one run are loaded by the next,
+with the same results, and the cache leaves no global setting behind."""
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import train
+from tests.make_tiny_workdir import tiny_train_flags
+from transformer.compilation_cache import default_cache_dir, persistent_compilation_cache
+
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+
+@pytest.fixture
+def cache_events():
+    """Names of the JAX monitoring events recorded during the test; every program cached."""
+    events = []
+
+    def listen(event, **_):
+        events.append(event)
+
+    # JAX writes only programs that took 1 s or more to compile; the tests' are faster.
+    before = jax.config.values["jax_persistent_cache_min_compile_time_secs"]
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.monitoring.register_event_listener(listen)
+    yield events
+    jax.monitoring.unregister_event_listener(listen)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
+def _program(x):
+    return jnp.tanh(x @ x.T).sum(axis=0)
+
+
+def test_a_program_compiled_in_one_block_is_loaded_in_the_next(tmp_path, cache_events):
+    x = jnp.arange(12.0).reshape(3, 4)
+    setting_before = jax.config.values["jax_compilation_cache_dir"]
+    with persistent_compilation_cache(tmp_path / "xla") as path:
+        assert path == tmp_path / "xla"
+        first = jax.jit(_program)(x)
+    assert jax.config.values["jax_compilation_cache_dir"] == setting_before
+    assert any(path.iterdir()), "nothing was written to the cache"
+    assert CACHE_HIT not in cache_events
+
+    jax.clear_caches()  # as a new process would start: nothing compiled in memory
+    with persistent_compilation_cache(tmp_path / "xla"):
+        second = jax.jit(_program)(x)
+    assert cache_events.count(CACHE_HIT) == 1
+    assert jnp.array_equal(first, second)
+
+
+def test_no_directory_means_no_cache(tmp_path, cache_events):
+    jax.clear_caches()
+    with persistent_compilation_cache(None) as path:
+        assert path is None
+        assert jax.config.values["jax_compilation_cache_dir"] is None
+        jax.jit(_program)(jnp.ones((2, 2)))
+    assert CACHE_HIT not in cache_events
+
+
+def test_an_unusable_directory_warns_and_compiles_without_a_cache(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    warnings = []
+    with persistent_compilation_cache(blocker / "xla", warn=warnings.append) as path:
+        assert path is None
+        assert jax.config.values["jax_compilation_cache_dir"] is None
+        assert jax.jit(_program)(jnp.ones((2, 2))).shape == (2,)
+    assert len(warnings) == 1 and str(blocker / "xla") in warnings[0]
+
+
+def test_default_directory(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRANSFORMER_MT_CACHE", str(tmp_path / "root"))
+    assert default_cache_dir() == str(tmp_path / "root" / "xla")
+    monkeypatch.delenv("TRANSFORMER_MT_CACHE")
+    assert default_cache_dir() == str(Path("~/.cache/transformer-mt/xla").expanduser())
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
+    assert default_cache_dir() == str(tmp_path / "jax")
+
+
+def test_a_second_training_run_loads_the_first_runs_programs_and_repeats_it(
+    tmp_path, multi30k_slice, cache_events
+):
+    data_dir = multi30k_slice(n=300, splits=("train", "val"))
+    cache = tmp_path / "xla"
+    runs = []
+    for name in ("first", "second"):
+        jax.clear_caches()  # each run as a fresh process: only the disk cache carries over
+        hits_before = cache_events.count(CACHE_HIT)
+        flags = tiny_train_flags(tmp_path / name, data_dir, steps=3)
+        assert train.main([*flags, "--compilation-cache", str(cache)]) == 0
+        runs.append((tmp_path / name, cache_events.count(CACHE_HIT) - hits_before))
+    (first, first_hits), (second, second_hits) = runs
+    assert first_hits == 0
+    assert second_hits > 0  # the train step (at least) came from the cache
+    # Loaded programs are the compiled ones: the same losses to the last digit.
+    losses = [
+        [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        for run in (first, second)
+    ]
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+
+def test_no_compilation_cache_flag_writes_nothing(tmp_path, multi30k_slice, monkeypatch):
+    monkeypatch.setenv("TRANSFORMER_MT_CACHE", str(tmp_path / "root"))
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    data_dir = multi30k_slice(n=300, splits=("train", "val"))
+    flags = tiny_train_flags(tmp_path / "run", data_dir, steps=1)
+    assert train.main([*flags, "--no-compilation-cache"]) == 0
+    assert not (tmp_path / "root" / "xla").exists()
