@@ -38,7 +38,7 @@ from sacrebleu.metrics import BLEU, CHRF
 
 from data import CorpusSpec, DataError, load_corpus, read_aligned_lines, read_lines
 from transformer.checkpoints import CheckpointError, checkpoint_steps
-from transformer.compilation_cache import default_cache_dir, persistent_compilation_cache
+from transformer.compilation_cache import persistent_compilation_cache
 from transformer.host_memory import keep_freed_host_memory
 from transformer.translate import Run, detokenize, encode_sources, load_run, translate_ids
 
@@ -282,8 +282,11 @@ def main(
     """The command line; `load` gives the parameters to decode with (benchmarks/soup.py's own)."""
     args = parse_args(argv)
     keep_freed_host_memory()  # before the first computation starts XLA's threads
-    cache = None if args.no_compilation_cache else args.compilation_cache or default_cache_dir()
-    with persistent_compilation_cache(cache, warn=functools.partial(print, file=sys.stderr)):
+    with persistent_compilation_cache(
+        args.compilation_cache,
+        enabled=not args.no_compilation_cache,
+        warn=functools.partial(print, file=sys.stderr),
+    ):
         return _evaluate(args, load)
 
 

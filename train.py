@@ -545,15 +545,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def compilation_cache_dir(args: argparse.Namespace) -> str | None:
-    """The directory of --compilation-cache (or its default); None with --no-compilation-cache."""
-    from transformer.compilation_cache import default_cache_dir
-
-    if args.no_compilation_cache:
-        return None
-    return args.compilation_cache or default_cache_dir()
-
-
 def _duration(seconds: float) -> str:
     return time.strftime("%H:%M:%S", time.gmtime(seconds))
 
@@ -568,9 +559,13 @@ def main(argv: list[str] | None = None) -> int:
     from transformer.training import NonFiniteLossError
 
     keep_freed_host_memory()  # before the first computation starts XLA's threads
-    warn = functools.partial(print, file=sys.stderr)
+    cache = persistent_compilation_cache(
+        args.compilation_cache,
+        enabled=not args.no_compilation_cache,
+        warn=functools.partial(print, file=sys.stderr),
+    )
     try:
-        with persistent_compilation_cache(compilation_cache_dir(args), warn=warn):
+        with cache:
             return run(args)
     except (DataError, CheckpointError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -53,13 +53,14 @@ def test_a_program_compiled_in_one_block_is_loaded_in_the_next(tmp_path, cache_e
     assert jnp.array_equal(first, second)
 
 
-def test_no_directory_means_no_cache(tmp_path, cache_events):
+def test_disabled_means_no_cache(tmp_path, cache_events):
     jax.clear_caches()
-    with persistent_compilation_cache(None) as path:
+    with persistent_compilation_cache(tmp_path / "xla", enabled=False) as path:
         assert path is None
         assert jax.config.values["jax_compilation_cache_dir"] is None
         jax.jit(_program)(jnp.ones((2, 2)))
     assert CACHE_HIT not in cache_events
+    assert not (tmp_path / "xla").exists()
 
 
 def test_an_unusable_directory_warns_and_compiles_without_a_cache(tmp_path):
@@ -77,6 +78,8 @@ def test_default_directory(monkeypatch, tmp_path):
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     monkeypatch.setenv("TRANSFORMER_MT_CACHE", str(tmp_path / "root"))
     assert default_cache_dir() == str(tmp_path / "root" / "xla")
+    with persistent_compilation_cache() as path:
+        assert path == tmp_path / "root" / "xla" and path.is_dir()
     monkeypatch.delenv("TRANSFORMER_MT_CACHE")
     assert default_cache_dir() == str(Path("~/.cache/transformer-mt/xla").expanduser())
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))

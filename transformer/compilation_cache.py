@@ -49,12 +49,13 @@ def _set(directory: str | None, max_bytes: int) -> None:
 
 @contextlib.contextmanager
 def persistent_compilation_cache(
-    directory: str | os.PathLike | None, *, warn=print
+    directory: str | os.PathLike | None = None, *, enabled: bool = True, warn=print
 ) -> Iterator[Path | None]:
     """Inside the block, compiled programs are read from and written to `directory`.
 
     Args:
-      directory: the cache directory (created if missing), or None for no cache.
+      directory: the cache directory (created if missing); None: `default_cache_dir()`.
+      enabled: False for no cache at all (`--no-compilation-cache`).
       warn: called with a one-line message when the directory cannot be created; the
         block then runs without a cache.
 
@@ -67,8 +68,8 @@ def persistent_compilation_cache(
         jax.config.values["jax_compilation_cache_max_size"],
     )
     path = None
-    if directory is not None:
-        path = Path(directory).expanduser()
+    if enabled:
+        path = Path(directory if directory is not None else default_cache_dir()).expanduser()
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
