@@ -1,8 +1,8 @@
 """Trains a Transformer translation model into a workdir, resuming from its latest checkpoint.
 
-  python train.py --workdir runs/multi30k                 # Multi30k en->de, the "mini" model
+  python train.py                    # Multi30k en->de, the "mini" model, in runs/multi30k_en_de
   python train.py --workdir runs/x --dataset files --data-dir DIR --src fr --tgt en
-  python train.py --workdir runs/multi30k                 # again: resumes where it stopped
+  python train.py                    # again: resumes where it stopped
 
 Everything evaluation needs lands in the workdir: config.json (model, data and
 training settings, and the code revision and package versions of every start),
@@ -112,7 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
         # workdir's saved setting when resuming, so argparse's own defaults are all None.
         argument_default=None,
     )
-    p.add_argument("--workdir", required=True, help="run directory (created; resumed if present)")
+    p.add_argument(
+        "--workdir",
+        help="run directory (created; resumed if present) [runs/CORPUS_SRC_TGT, e.g. "
+        "runs/multi30k_en_de]",
+    )
 
     d = p.add_argument_group("data")
     d.add_argument(
@@ -261,6 +265,21 @@ def _differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
         for k in sorted(set(saved) | set(wanted))
         if saved.get(k) != wanted.get(k)
     ]
+
+
+def default_workdir(args: argparse.Namespace) -> Path:
+    """runs/CORPUS_SRC_TGT from the data flags and defaults, e.g. runs/multi30k_en_de.
+
+    CORPUS is "multi30k", the --data-dir folder's name for --dataset files, or the TFDS
+    dataset's name, so the same flags again find the same run (and resume it).
+    """
+    settings = data_settings(args, None)
+    corpus = settings["dataset"]
+    if corpus == "files" and settings["data_dir"]:
+        corpus = Path(settings["data_dir"]).name
+    elif corpus == "tfds" and settings["tfds_name"]:
+        corpus = settings["tfds_name"].split("/")[0].split(":")[0]
+    return Path("runs") / f"{corpus}_{settings['src']}_{settings['tgt']}"
 
 
 def data_settings(args: argparse.Namespace, saved: dict[str, Any] | None) -> dict[str, Any]:
@@ -455,7 +474,9 @@ def run(args: argparse.Namespace) -> int:
 
     log = tqdm.write
     main_process = jax.process_index() == 0
-    workdir = Path(args.workdir)
+    workdir = Path(args.workdir) if args.workdir else default_workdir(args)
+    if not args.workdir:
+        log(f"workdir: {workdir} (the default for these data flags; --workdir to choose)")
     if workdir.exists() and not workdir.is_dir():
         raise UsageError(f"--workdir {workdir} is a file, not a directory")
     saved = load_run_config(workdir) if (workdir / CONFIG_FILE).is_file() else None

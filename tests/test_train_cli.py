@@ -118,6 +118,38 @@ def test_stop_and_resume_gives_exactly_the_uninterrupted_parameters(
     assert elapsed == sorted(elapsed)  # the clock carries over the resume
 
 
+def test_without_workdir_a_run_goes_to_runs_corpus_src_tgt_and_resumes_from_there(
+    slice_dir, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    flags = _flags(slice_dir, "unused", "--steps", "4")[2:]  # without --workdir
+    assert train.main(flags) == 0
+    default = tmp_path / "runs" / f"{slice_dir.name}_en_de"
+    assert f"workdir: runs/{slice_dir.name}_en_de (the default" in capsys.readouterr().out
+    assert checkpoint_steps(default) == [4]
+    # The same data flags again find the run and resume it; other languages, another run.
+    assert train.main([*flags[:-2], "--steps", "8"]) == 0
+    assert "resumed from step 4" in capsys.readouterr().out
+    assert checkpoint_steps(default) == [4, 8]
+    assert train.main([*flags, "--src", "de", "--tgt", "en"]) == 0
+    assert checkpoint_steps(tmp_path / "runs" / f"{slice_dir.name}_de_en") == [4]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(
+        [f"{slice_dir.name}_en_de", f"{slice_dir.name}_de_en"]
+    )
+
+
+def test_default_workdir_names_the_corpus():
+    parse = train.build_parser().parse_args
+    assert train.default_workdir(parse([])) == Path("runs/multi30k_en_de")
+    assert train.default_workdir(parse(["--src", "de", "--tgt", "en"])) == Path(
+        "runs/multi30k_de_en"
+    )
+    files = parse(["--dataset", "files", "--data-dir", "corpora/europarl", "--src", "fr"])
+    assert train.default_workdir(files) == Path("runs/europarl_fr_de")
+    tfds = parse(["--dataset", "tfds", "--tfds-name", "wmt14_translate/de-en:1.0.0"])
+    assert train.default_workdir(tfds) == Path("runs/wmt14_translate_en_de")
+
+
 def test_resuming_with_other_package_versions_warns_and_goes_on(slice_dir, tmp_path, capsys):
     assert train.main(_flags(slice_dir, tmp_path, "--steps", "4")) == 0
     config = load_run_config(tmp_path)
