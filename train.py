@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="train.py",
         description=(
             "Train the 'Attention Is All You Need' Transformer (data-parallel over all local "
-            "devices) into --workdir. Rerun with the same --workdir to resume."
+            "devices) into --workdir (runs/CORPUS_SRC_TGT by default). Rerun the same command "
+            "to resume."
         ),
         epilog=(
             "Flags left out take the workdir's saved settings when resuming, else the defaults "
