@@ -4,9 +4,10 @@
 `evaluate.py` one search program per batch shape. On the 2-core development machine that
 is most of the first 107 s of a default run, and on an H100 one step program took 25 to
 30 s to compile. JAX can keep compiled programs on disk, keyed by the program, the compile
-options, the devices and the JAX and jaxlib versions; with the cache, a resume, the same
-command again or an evaluation of another split loads the programs it has seen instead of
-compiling them. A loaded program is the compiled one, so results do not change.
+options, the devices and the JAX and jaxlib versions; with the cache, a resume or the same
+command again loads the programs it has seen instead of compiling them (a program holds its
+constants, the learning-rate schedule among them, so a run with other `--steps` has its
+own). A loaded program is the compiled one, so results do not change.
 
 The cache holds executable code: keep it in a directory only you can write to (the
 default is under your home directory).
