@@ -27,7 +27,6 @@ The training curve (loss and validation BLEU against time, from metrics.jsonl)::
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import time
 from collections.abc import Callable
@@ -285,7 +284,6 @@ def main(
     with persistent_compilation_cache(
         args.compilation_cache,
         enabled=not args.no_compilation_cache,
-        warn=functools.partial(print, file=sys.stderr),
     ):
         return _evaluate(args, load)
 

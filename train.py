@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import os
 import re
 import signal
@@ -584,7 +583,6 @@ def main(argv: list[str] | None = None) -> int:
     cache = persistent_compilation_cache(
         args.compilation_cache,
         enabled=not args.no_compilation_cache,
-        warn=functools.partial(print, file=sys.stderr),
     )
     try:
         with cache:

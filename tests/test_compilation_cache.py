@@ -74,6 +74,19 @@ def test_an_unusable_directory_warns_and_compiles_without_a_cache(tmp_path):
     assert len(warnings) == 1 and str(blocker / "xla") in warnings[0]
 
 
+def test_train_py_warns_of_an_unusable_directory_on_stderr_and_trains(
+    tmp_path, multi30k_slice, capsys
+):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    data_dir = multi30k_slice(n=300, splits=("train", "val"))
+    flags = tiny_train_flags(tmp_path / "run", data_dir, steps=1)
+    assert train.main([*flags, "--compilation-cache", str(blocker / "xla")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    warnings = [line for line in err if line.startswith("warning: cannot use")]
+    assert len(warnings) == 1 and str(blocker / "xla") in warnings[0]
+
+
 def test_default_directory(monkeypatch, tmp_path):
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     monkeypatch.setenv("TRANSFORMER_MT_CACHE", str(tmp_path / "root"))

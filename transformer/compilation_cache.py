@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
@@ -50,15 +51,18 @@ def _set(directory: str | None, max_bytes: int) -> None:
 
 @contextlib.contextmanager
 def persistent_compilation_cache(
-    directory: str | os.PathLike | None = None, *, enabled: bool = True, warn=print
+    directory: str | os.PathLike | None = None,
+    *,
+    enabled: bool = True,
+    warn: Callable[[str], None] | None = None,
 ) -> Iterator[Path | None]:
     """Inside the block, compiled programs are read from and written to `directory`.
 
     Args:
       directory: the cache directory (created if missing); None: `default_cache_dir()`.
       enabled: False for no cache at all (`--no-compilation-cache`).
-      warn: called with a one-line message when the directory cannot be created; the
-        block then runs without a cache.
+      warn: called with a one-line message when the directory cannot be created (default:
+        printed to stderr); the block then runs without a cache.
 
     Yields:
       The cache directory in use, or None. On exit the previous setting is restored, so a
@@ -74,7 +78,9 @@ def persistent_compilation_cache(
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            warn(f"warning: cannot use {path} for compiled programs ({e}); compiling without it")
+            (warn or _print_to_stderr)(
+                f"warning: cannot use {path} for compiled programs ({e}); compiling without it"
+            )
             path = None
     max_bytes = previous[1]
     if max_bytes == -1:  # JAX's default, unbounded; a size set by the caller is kept
@@ -88,3 +94,7 @@ def persistent_compilation_cache(
         yield path
     finally:
         _set(*previous)
+
+
+def _print_to_stderr(message: str) -> None:
+    print(message, file=sys.stderr)
