@@ -426,8 +426,7 @@ def load_training_data(
         log(f"warning: no validation: {e}")
         return TrainingData(tokenizer, batcher, None, summary)
     val_encoded = data.encode_corpus(tokenizer, val, max_len=None, cache_dir=cache)
-    val_batcher = batcher_of(val_encoded, shuffle=False)
-    val_batches = [val_batcher.batch_at(i) for i in range(val_batcher.batches_per_epoch)]
+    val_batches = batcher_of(val_encoded, shuffle=False).one_pass()
     references = data.read_lines(val_raw.tgt_path) if val_raw.tgt_path else val_raw.tgt
     summary.append(
         f"data: validation {val.summary}; {len(val_batches)} loss batches, "

@@ -8,7 +8,7 @@ that of one *global* step (all devices of all hosts) and counts padded
 positions of source plus target (``rows * (S + T)``; ``tgt_in`` and
 ``tgt_out`` share their ``T`` positions).
 
-No batch ever holds padding rows: each bucket is an endless stream of
+No training batch holds padding rows: each bucket is an endless stream of
 epoch-wise shuffled examples, cut into full batches; the few examples of a
 bucket that do not fill its last batch of an epoch open its first batch of the
 next epoch. Every example is therefore seen once per epoch, give or take that
@@ -21,6 +21,10 @@ iterator's state is one integer, and resuming gives exactly the batches an
 uninterrupted run would. Rows per shape are a multiple of 8 (of
 ``lcm(8, global devices)`` in general) whatever the device count, so 1, 2, 4 or
 8 devices see the same global batches, each device a slice of it.
+
+Evaluation passes (:meth:`TokenBatcher.one_pass`) are cut from the same shapes
+but hold every pair exactly once, the last batch of a shape filled up with rows
+of padding only.
 """
 
 from __future__ import annotations
@@ -414,8 +418,9 @@ class TokenBatcher:
     # --- Arrays. ---
 
     def _pad(self, flat, offsets, lengths, ids, width):
+        """[rows, width] ids of the examples ``ids`` padded to ``width``; id -1 is all padding."""
         cols = np.arange(width)
-        real = cols[None] < lengths[ids][:, None]
+        real = cols[None] < np.where(ids >= 0, lengths[ids], 0)[:, None]
         gathered = flat[np.minimum(offsets[ids][:, None] + cols[None], len(flat) - 1)]
         return np.where(real, gathered, self.pad_id).astype(np.int32), real
 
@@ -428,7 +433,32 @@ class TokenBatcher:
         Returns:
           ``dict(src=[D, b, S], tgt_in=[D, b, T], tgt_out=[D, b, T])``, int32.
         """
-        bucket, ids = self._global_batch(position)
+        return self._arrays(*self._global_batch(position))
+
+    def one_pass(self) -> list[dict[str, np.ndarray]]:
+        """Every pair exactly once: the batches of one evaluation pass, such as a val loss.
+
+        The training stream carries the pairs that do not fill a bucket's last batch
+        over to the next epoch and repeats pairs in buckets smaller than one batch;
+        here each bucket's pairs, in corpus order, are cut into batches of its shape,
+        and its last batch is filled up with rows of padding only, which hold no
+        target token and so weigh nothing in a token-averaged loss.
+
+        Returns:
+          This host's share of each batch, as from :meth:`batch_at`, bucket by bucket.
+        """
+        batches = []
+        for bucket, members in enumerate(self._members):
+            rows = int(self._rows[bucket])
+            for start in range(0, len(members), rows):
+                ids = np.full(rows, -1, np.int64)
+                chunk = members[start : start + rows]
+                ids[: len(chunk)] = chunk
+                batches.append(self._arrays(bucket, ids))
+        return batches
+
+    def _arrays(self, bucket: int, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """This host's share of the global batch of examples ``ids`` (-1: a padding row)."""
         S, T = self._ST[bucket]
         share = len(ids) // self.process_count
         ids = ids[self.process_index * share : (self.process_index + 1) * share]

@@ -152,6 +152,45 @@ def test_every_pair_once_per_epoch_up_to_carry_over(small, multi30k_tokenizer):
     assert counts.sum() > (epochs - 1) * len(small)
 
 
+@pytest.mark.parametrize("num_devices, process_count", [(1, 1), (2, 1), (2, 2)])
+def test_one_pass_holds_every_pair_exactly_once(
+    small, multi30k_tokenizer, num_devices, process_count
+):
+    tok = multi30k_tokenizer
+    hosts = [
+        batcher(
+            small,
+            tok,
+            max_tokens=512,
+            num_devices=num_devices,
+            process_index=p,
+            process_count=process_count,
+        )
+        for p in range(process_count)
+    ]
+    shapes = {(r, S, T) for r, S, T in hosts[0].shapes}
+    seen, filler = [], 0
+    for per_host in zip(*(h.one_pass() for h in hosts), strict=True):
+        src, tgt_in, tgt_out = (
+            np.concatenate([global_rows(b, k) for b in per_host])
+            for k in ("src", "tgt_in", "tgt_out")
+        )
+        assert (src.shape[0], src.shape[1], tgt_out.shape[1]) in shapes
+        for s_row, in_row, out_row in zip(src, tgt_in, tgt_out, strict=True):
+            y = out_row[out_row != tok.pad_id]
+            if len(y) == 0:  # a filler row: padding only, on every side
+                assert (s_row == tok.pad_id).all() and (in_row == tok.pad_id).all()
+                filler += 1
+                continue
+            assert in_row[0] == tok.bos_id and (in_row[1 : len(y)] == y[:-1]).all()
+            seen.append((tuple(s_row[s_row != tok.pad_id]), tuple(y)))
+    assert sorted(seen) == sorted(
+        (tuple(x), tuple(y)) for x, y in zip(small.src, small.tgt, strict=True)
+    )
+    assert filler < sum(r for r, _, _ in shapes)  # at most one part-filled batch per shape
+    assert hosts[0].position == 0  # the training stream did not move
+
+
 def test_shuffle_depends_on_seed_and_epoch(small, multi30k_tokenizer):
     def first_rows(seed, n):
         b = batcher(small, multi30k_tokenizer, max_tokens=512, seed=seed)
