@@ -20,6 +20,7 @@ import sys
 import tempfile
 import urllib.error
 import urllib.request
+import zlib
 from pathlib import Path
 
 from data.errors import DataError
@@ -68,6 +69,13 @@ def _offline_hint(directory: Path) -> str:
     )
 
 
+def _cache_error(directory: Path, e: OSError) -> DataError:
+    return DataError(
+        f"cannot use the Multi30k cache directory {directory} ({e.strerror or e}); "
+        "set $TRANSFORMER_MT_CACHE to a writable directory or fix its permissions"
+    )
+
+
 def download(split: str, lang: str, directory: Path) -> Path:
     """Downloads, gunzips and verifies one file into ``directory``, atomically.
 
@@ -80,12 +88,16 @@ def download(split: str, lang: str, directory: Path) -> Path:
       The path of the verified file ``directory/{split}.{lang}``.
 
     Raises:
-      DataError: no network, an HTTP error, or a checksum mismatch.
+      DataError: no network, an HTTP error, a corrupt download, a checksum
+        mismatch, or a cache directory that cannot be created or written.
     """
     name = f"{split}.{lang}"
     source = url(split, lang)
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=directory)
+    except OSError as e:
+        raise _cache_error(directory, e) from None
     try:
         sha = hashlib.sha256()
         with os.fdopen(fd, "wb") as out:
@@ -97,11 +109,9 @@ def download(split: str, lang: str, directory: Path) -> Path:
                     while chunk := gz.read(1 << 20):
                         sha.update(chunk)
                         out.write(chunk)
-            except (
-                urllib.error.URLError,
-                OSError,
-                EOFError,
-            ) as e:  # gzip errors are OSError/EOFError
+            # gzip: a bad header or CRC is an OSError, a truncated stream an EOFError,
+            # corrupt compressed data a zlib.error
+            except (urllib.error.URLError, OSError, EOFError, zlib.error) as e:
                 reason = getattr(e, "reason", None) or e
                 raise DataError(
                     f"cannot download Multi30k {name} from {source} ({reason}); "
@@ -131,7 +141,8 @@ def ensure_files(split: str, langs: tuple[str, ...]) -> tuple[Path, ...]:
       One path per language, in order.
 
     Raises:
-      DataError: unknown split or language, or a failed download.
+      DataError: unknown split or language, an unusable cache directory, or a
+        failed download.
     """
     if split not in SPLITS:
         raise DataError(f"Multi30k has no split {split!r}; available splits: {', '.join(SPLITS)}")
@@ -142,7 +153,11 @@ def ensure_files(split: str, langs: tuple[str, ...]) -> tuple[Path, ...]:
     paths = []
     for lang in langs:
         path = directory / f"{split}.{lang}"
-        if not path.is_file():
+        try:
+            cached = path.is_file()
+        except OSError as e:  # e.g. a parent without search permission
+            raise _cache_error(directory, e) from None
+        if not cached:
             print(f"downloading Multi30k {path.name} into {directory}", file=sys.stderr, flush=True)
             download(split, lang, directory)
         paths.append(path)

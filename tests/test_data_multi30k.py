@@ -89,6 +89,47 @@ def test_truncated_download_leaves_no_file(multi30k_dir, cache, monkeypatch):
     assert list(cache.iterdir()) == []
 
 
+def test_corrupt_gzip_stream_is_a_data_error_and_leaves_no_file(multi30k_dir, cache, monkeypatch):
+    compressed = bytearray(gzip.compress((multi30k_dir / "val.en").read_bytes()))
+    compressed[10] = 0xFF  # the first deflate block's header (after gzip's 10): invalid type
+
+    def opener(url, timeout=None):
+        return io.BytesIO(bytes(compressed))
+
+    monkeypatch.setattr(multi30k, "urlopen", opener)
+    with pytest.raises(data.DataError) as e:  # zlib.error, neither OSError nor EOFError
+        data.load_corpus(data.CorpusSpec(), "val")
+    message = str(e.value)
+    assert "\n" not in message and "val.en" in message and "decompressing" in message
+    assert list(cache.iterdir()) == []
+
+
+def test_cache_root_that_is_a_file_is_a_data_error(tmp_path, monkeypatch):
+    root = tmp_path / "not_a_dir"
+    root.write_text("a regular file\n")
+    monkeypatch.setenv("TRANSFORMER_MT_CACHE", str(root))
+    monkeypatch.setattr(multi30k, "urlopen", FakeOpener({}))
+    with pytest.raises(data.DataError) as e:
+        data.load_corpus(data.CorpusSpec(), "val")
+    message = str(e.value)
+    assert "\n" not in message and str(root / "multi30k") in message
+    assert "$TRANSFORMER_MT_CACHE" in message and "permissions" in message
+    assert root.read_text() == "a regular file\n"
+
+
+def test_unwritable_cache_directory_is_a_data_error(cache, monkeypatch):
+    def mkstemp(*args, **kwargs):  # what a read-only directory gives (root ignores chmod)
+        raise PermissionError(13, "Permission denied", kwargs.get("dir"))
+
+    monkeypatch.setattr(multi30k.tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(multi30k, "urlopen", FakeOpener({}))
+    with pytest.raises(data.DataError) as e:
+        data.load_corpus(data.CorpusSpec(), "val")
+    message = str(e.value)
+    assert "\n" not in message and str(cache) in message and "Permission denied" in message
+    assert "$TRANSFORMER_MT_CACHE" in message
+
+
 def test_offline_without_cache_says_how_to_use_data_dir(cache, monkeypatch):
     def offline(url, timeout=None):
         raise urllib.error.URLError(OSError(-2, "Name or service not known"))
