@@ -8,7 +8,7 @@ import pytest
 import data
 from transformer import Transformer, TransformerConfig
 from transformer.decoding import greedy_search
-from transformer.translate import encode_sources, translate, translate_ids
+from transformer.translate import detokenize, encode_sources, translate, translate_ids
 
 MAX_EXTRA_LEN = 4
 
@@ -86,3 +86,18 @@ def test_raw_input_is_normalized_like_training_data(setup):
         max_extra_len=MAX_EXTRA_LEN,
     )
     assert ids[0] == ids[1] and tokenizer.eos_id not in ids[0]
+
+
+def test_detokenized_outputs_hold_no_line_break_of_any_kind(setup):
+    """Byte-fallback pieces can spell every character str.splitlines breaks at."""
+    _, _, tokenizer, sentences = setup
+    byte_id = {tokenizer.id_to_piece(i): i for i in range(tokenizer.vocab_size)}
+    words = tokenizer.encode("A man")
+    breaks = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+    hypotheses = [
+        words + [byte_id[f"<0x{b:02X}>"] for b in char.encode()] + words for char in breaks
+    ]
+    assert [tokenizer.decode(ids) for ids in hypotheses] == [f"A man{c} A man" for c in breaks]
+    assert detokenize(tokenizer, hypotheses) == ["A man  A man"] * len(breaks)
+    plain = [tokenizer.encode(data.normalize(s)) for s in sentences] + [[]]
+    assert detokenize(tokenizer, plain) == [tokenizer.decode(ids) for ids in plain[:-1]] + [""]

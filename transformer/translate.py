@@ -158,6 +158,11 @@ def translate(
 def detokenize(tokenizer: Any, hypotheses: Sequence[Sequence[int]]) -> list[str]:
     """Text of output ids, one line each: a line break the model spelled out becomes a space.
 
+    A line break is anything `str.splitlines` splits at: besides ``\\n`` and ``\\r``,
+    byte-fallback pieces can spell ``\\x0b``, ``\\x0c``, ``\\x1c``-``\\x1e``,
+    ``\\x85``, U+2028 and U+2029, which `splitlines` and many editors and tools
+    would read as two lines, misaligning an output file with its references.
+
     Args:
       tokenizer: a `data.Tokenizer`.
       hypotheses: per sentence, output ids (as from `translate_ids`).
@@ -166,7 +171,7 @@ def detokenize(tokenizer: Any, hypotheses: Sequence[Sequence[int]]) -> list[str]
       The detokenized sentences, none containing a line break.
     """
     texts = (tokenizer.decode(ids) if len(ids) else "" for ids in hypotheses)
-    return [" ".join(t.splitlines()) if "\n" in t or "\r" in t else t for t in texts]
+    return [" ".join(t.splitlines()) for t in texts]  # t itself when it has no line break
 
 
 def encode_sources(tokenizer: Any, sentences: Sequence[str]) -> list[list[int]]:
