@@ -7,6 +7,7 @@ import pytest
 
 import data
 from transformer import Transformer, TransformerConfig
+from transformer import translate as translate_module
 from transformer.decoding import greedy_search
 from transformer.translate import detokenize, encode_sources, translate, translate_ids
 
@@ -39,6 +40,30 @@ def test_batching_and_order_do_not_change_translations(setup):
     assert many_batches == one_batch
     reversed_input = translate(model, params, tokenizer, sentences[::-1], max_tokens=4096, **kw)
     assert reversed_input[::-1] == one_batch
+
+
+def test_no_decoded_batch_exceeds_max_tokens(setup, monkeypatch):
+    """Rows padded to a power of two stay within the budget; only a too-long sentence is over."""
+    model, params, tokenizer, sentences = setup
+    lines = sentences + [f"{sentences[5]} {sentences[9]}"]  # the last is longer than the budget
+    src_ids = encode_sources(tokenizer, lines)
+    max_tokens = 100
+    padded = [data.batching.inference_length(len(ids)) for ids in src_ids]
+    # Without the fix: 100 // 32 = 3 rows of 32, padded to 4 rows (128 positions).
+    assert padded.count(32) == 3 and len(src_ids[-1]) > max_tokens
+    shapes = []
+
+    def recording_search(model, params, src_BS, **kw):
+        shapes.append(src_BS.shape)
+        return greedy_search(model, params, src_BS, **kw)
+
+    monkeypatch.setattr(translate_module, "greedy_search", recording_search)
+    kw = dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, max_extra_len=MAX_EXTRA_LEN)
+    within = translate_ids(model, params, src_ids, greedy=True, max_tokens=max_tokens, **kw)
+    assert shapes[0] == (1, padded[-1])  # longest first, alone
+    assert all(B * S <= max_tokens for B, S in shapes[1:]), shapes
+    one_batch = translate_ids(model, params, src_ids, greedy=True, max_tokens=4096, **kw)
+    assert within == one_batch
 
 
 def test_translation_is_the_detokenized_search_output(setup):
