@@ -351,6 +351,26 @@ def check_resume_matches(workdir: Path, saved: dict[str, Any], section: str, now
         )
 
 
+def forget_unchecked_tokenizer(
+    workdir: Path, saved: dict[str, Any] | None, data_cfg: dict, log, main_process: bool
+) -> None:
+    """Moves aside a workdir's tokenizer that nothing ties to these data settings.
+
+    A run that stopped between training its tokenizer and its first checkpoint
+    leaves `tokenizer.model` with no run config, or with a config of other data
+    settings that `check_resume_matches` lets go (no checkpoint depends on them);
+    reusing it would tokenize this corpus with another's vocabulary.
+    """
+    from data.tokenizer import TOKENIZER_FILENAME
+
+    path = workdir / TOKENIZER_FILENAME
+    if path.is_file() and (saved is None or _differences(saved.get("data") or {}, data_cfg)):
+        aside = path.with_name(path.name + ".old")
+        log(f"{path} is not from a run with these data settings: moved to {aside.name}")
+        if main_process:
+            path.replace(aside)
+
+
 def maybe_initialize_distributed(args: argparse.Namespace) -> None:
     """Starts jax.distributed when the flags or environment ask for a multi-host run."""
     import jax
@@ -390,6 +410,18 @@ def load_training_data(
 
     spec = data.CorpusSpec(**{k: settings[k] for k in dataclasses.asdict(data.CorpusSpec())})
     train = data.load_corpus(spec, "train")
+    # Validation is read before anything is written: only a split that is not there
+    # means a run without it; a broken one is an error like broken training data.
+    try:
+        val = data.load_corpus(spec, "val")
+        val_raw = data.load_corpus(spec, "val", clean=False)
+    except data.MissingSplitError as e:
+        log(f"warning: no validation: {e}")
+        val = val_raw = None
+    if val is not None and len(val) == 0:
+        raise data.DataError(
+            f"the validation split has no usable pairs ({val.summary}); fix or remove its files"
+        )
     tokenizer = data.load_or_train_tokenizer(
         workdir, train, vocab_size=settings["vocab_size"], model_type=settings["tokenizer_type"]
     )
@@ -419,11 +451,7 @@ def load_training_data(
         + f"; padding efficiency {batcher.padding_efficiency():.1%}; "
         f"~{batcher.batches_per_epoch} batches per epoch",
     ]
-    try:
-        val = data.load_corpus(spec, "val")
-        val_raw = data.load_corpus(spec, "val", clean=False)
-    except data.DataError as e:
-        log(f"warning: no validation: {e}")
+    if val is None:
         return TrainingData(tokenizer, batcher, None, summary)
     val_encoded = data.encode_corpus(tokenizer, val, max_len=None, cache_dir=cache)
     val_batches = batcher_of(val_encoded, shuffle=False).one_pass()
@@ -492,7 +520,11 @@ def run(args: argparse.Namespace) -> int:
     model_config(args, saved, data_cfg["vocab_size"], pad_id=0)
     if saved is not None:
         check_resume_matches(workdir, saved, "data", data_cfg)
-    loaded = load_training_data(workdir, data_cfg, max_len, train_cfg.seed, log)
+    forget_unchecked_tokenizer(workdir, saved, data_cfg, log, main_process)
+    try:
+        loaded = load_training_data(workdir, data_cfg, max_len, train_cfg.seed, log)
+    except OSError as e:  # an unwritable --workdir, an unreadable data file
+        raise UsageError(f"{e.strerror or e}: {e.filename}") from None
     model_cfg = model_config(args, saved, loaded.tokenizer.vocab_size, loaded.tokenizer.pad_id)
     if saved is not None:
         check_resume_matches(workdir, saved, "model", model_cfg.to_dict())

@@ -18,7 +18,7 @@ from data.batching import (
     encode_corpus,
     inference_batches,
 )
-from data.errors import DataError
+from data.errors import DataError, MissingSplitError
 from data.prefetch import Prefetcher, prefetch
 from data.sources import CleaningSummary, Corpus, CorpusSpec, load_corpus, read_parallel
 from data.text import normalize, read_aligned_lines, read_lines
@@ -37,6 +37,7 @@ __all__ = [
     "CorpusSpec",
     "DataError",
     "EncodedCorpus",
+    "MissingSplitError",
     "Prefetcher",
     "TokenBatcher",
     "Tokenizer",

@@ -10,3 +10,7 @@ class DataError(Exception):
     file and line, and what to do about it. The CLIs print it as
     ``error: <message>`` and exit with status 2 instead of a traceback.
     """
+
+
+class MissingSplitError(DataError):
+    """The corpus has no such split (training goes on without validation then)."""

@@ -23,7 +23,7 @@ import urllib.request
 import zlib
 from pathlib import Path
 
-from data.errors import DataError
+from data.errors import DataError, MissingSplitError
 
 BASE_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
 LANGUAGES = ("en", "de", "fr", "cs")
@@ -145,7 +145,9 @@ def ensure_files(split: str, langs: tuple[str, ...]) -> tuple[Path, ...]:
         failed download.
     """
     if split not in SPLITS:
-        raise DataError(f"Multi30k has no split {split!r}; available splits: {', '.join(SPLITS)}")
+        raise MissingSplitError(
+            f"Multi30k has no split {split!r}; available splits: {', '.join(SPLITS)}"
+        )
     for lang in langs:
         if lang not in LANGUAGES:
             raise DataError(f"Multi30k has no language {lang!r}; available: {', '.join(LANGUAGES)}")

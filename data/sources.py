@@ -20,7 +20,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from data.errors import DataError
+from data.errors import DataError, MissingSplitError
 from data.text import is_junk, normalize, read_aligned_lines
 
 DATASETS = ("multi30k", "files", "tfds")
@@ -206,7 +206,7 @@ def _read_folder_split(
     src_path, tgt_path = d / f"{split}.{spec.src}", d / f"{split}.{spec.tgt}"
     if not src_path.is_file() and not tgt_path.is_file():
         available = folder_splits(d, spec.src, spec.tgt)
-        raise DataError(
+        raise MissingSplitError(
             f"no split {split!r} for {spec.src}-{spec.tgt} in {d} "
             f"(no {src_path.name} / {tgt_path.name}); "
             f"available splits: {', '.join(available) or 'none'}"
@@ -228,8 +228,10 @@ def load_corpus(spec: CorpusSpec, split: str, *, clean: bool = True) -> Corpus:
       The normalized corpus and its cleaning summary.
 
     Raises:
-      DataError: unknown dataset or split (the message lists the available
-        splits), missing or malformed files, no network for a first download.
+      MissingSplitError: the corpus has no such split (the message lists the
+        available splits).
+      DataError: unknown dataset, missing or malformed files, no network for a
+        first download.
     """
     if spec.src == spec.tgt:
         raise DataError(f"source and target language are both {spec.src!r}; choose two languages")

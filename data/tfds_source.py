@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from data.errors import DataError
+from data.errors import DataError, MissingSplitError
 
 # Conventional names of our splits in TFDS datasets.
 SPLIT_ALIASES = {"val": "validation", "valid": "validation", "dev": "validation"}
@@ -200,7 +200,7 @@ def load_split(spec: Any, split: str) -> tuple[list[str], list[str]]:
     available = list(builder.info.splits.keys())
     name = split if split in available else SPLIT_ALIASES.get(split, split)
     if name not in available:
-        raise DataError(
+        raise MissingSplitError(
             f"{label} has no split {split!r}; available splits: {', '.join(sorted(available))}"
         )
     src, tgt = [], []

@@ -337,3 +337,51 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(slice_dir, tmp_path):
     _, step = restore_params(tmp_path, "last")
     assert step == stopped_at
     assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 100000
+
+
+def test_a_broken_val_split_stops_the_run_before_anything_is_written_a_missing_one_does_not(
+    slice_dir, tmp_path, capsys
+):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    for path in slice_dir.iterdir():
+        (data_dir / path.name).write_bytes(path.read_bytes())
+    workdir = tmp_path / "run"
+    val_de = (slice_dir / "val.de").read_bytes().split(b"\n")
+    (data_dir / "val.de").write_bytes(b"\n".join(val_de[:-2]) + b"\n")  # one line short
+    assert train.main(_flags(data_dir, workdir)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "val.de has 23 lines" in err and err.count("\n") == 1
+    for lang in ("en", "de"):
+        (data_dir / f"val.{lang}").write_bytes(b"\n\n")
+    assert train.main(_flags(data_dir, workdir)) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("error: the validation split has no usable pairs") and err.count("\n") == 1
+    )
+    assert not workdir.exists()
+    for lang in ("en", "de"):  # no val split at all: a run without validation
+        (data_dir / f"val.{lang}").unlink()
+    assert train.main(_flags(data_dir, workdir, "--steps", "4")) == 0
+    assert "warning: no validation: no split 'val'" in capsys.readouterr().out
+
+
+def test_a_tokenizer_no_run_config_ties_to_the_data_is_moved_aside(
+    slice_dir, straight_run, multi30k_tokenizer, tmp_path
+):
+    # As a run that stopped after training its tokenizer, on other data, leaves it.
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    foreign = Path(multi30k_tokenizer.path).read_bytes()
+    (workdir / "tokenizer.model").write_bytes(foreign)
+    assert train.main(_flags(slice_dir, workdir, "--steps", "4")) == 0
+    assert (workdir / "tokenizer.model.old").read_bytes() == foreign
+    trained = (straight_run / "tokenizer.model").read_bytes()  # the same flags and data
+    assert (workdir / "tokenizer.model").read_bytes() == trained
+
+
+def test_an_unwritable_workdir_is_a_one_line_error(slice_dir, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    assert train.main(_flags(slice_dir, tmp_path / "a_file" / "run")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: Not a directory") and err.count("\n") == 1
