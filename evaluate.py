@@ -104,7 +104,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="outputs have at most (source length + this) tokens",
     )
     search.add_argument(
-        "--max-tokens", type=int, default=4096, help="padded source tokens per decoding batch"
+        "--max-tokens",
+        type=int,
+        default=4096,
+        help="most padded source tokens per decoding batch (a longer sentence is decoded alone)",
     )
     plots = p.add_argument_group("attention pictures")
     plots.add_argument(

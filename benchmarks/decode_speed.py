@@ -34,11 +34,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import data  # noqa: E402
-from data.batching import inference_batches  # noqa: E402
 from transformer import Transformer, TransformerConfig  # noqa: E402
 from transformer.decoding import beam_search, greedy_search  # noqa: E402
 from transformer.host_memory import keep_freed_host_memory  # noqa: E402
-from transformer.translate import encode_sources, load_run, pad_batch_rows  # noqa: E402
+from transformer.translate import (  # noqa: E402
+    decoding_batches,
+    encode_sources,
+    load_run,
+    pad_batch_rows,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -127,7 +131,7 @@ def main() -> int:
         sources = sources[: args.limit]
     src_ids = [ids for ids in encode_sources(tokenizer, sources) if ids]
     batches = []
-    for _, src in inference_batches(src_ids, max_tokens=args.max_tokens, pad_id=tokenizer.pad_id):
+    for _, src in decoding_batches(src_ids, max_tokens=args.max_tokens, pad_id=tokenizer.pad_id):
         batches.append((len(src), pad_batch_rows(src)))
     c = model.config
     print(
