@@ -58,6 +58,19 @@ def test_beam_of_one_is_greedy(model_and_sources):
     assert (greedy == EOS).any(axis=1).any() and not (greedy == EOS).any(axis=1).all()
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_beam_of_one_is_greedy_when_the_end_token_is_probable_but_not_the_best(seed):
+    # Barely trained models put the end token second at many steps; a beam of one
+    # must not finish there (an early, even empty, output of higher log P than the
+    # greedy one), as a search that finishes every end token did.
+    model, params = _peaked_model(vocab_size=8, seed=seed, scale=1.0)
+    src = _sources(8, [5, 2, 7, 3, 6, 4], seed=seed)
+    kw = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_extra_len=6)
+    greedy = np.asarray(greedy_search(model, params, src, **kw))
+    beam, _ = beam_search(model, params, src, beam_size=1, alpha=0.0, **kw)
+    np.testing.assert_array_equal(np.asarray(beam), greedy)
+
+
 def _assert_cached_equals_uncached(model, params, src, score_rtol=1e-5):
     """Greedy and beam search give the same outputs and scores with and without the cache."""
     kw = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_extra_len=5)
@@ -137,12 +150,14 @@ def _exhaustive_best(model, params, src, vocab_size: int, limits: list[int], alp
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6])
 def test_full_width_beam_is_exhaustive_search(alpha):
-    """With a beam holding every unfinished prefix, beam search finds the exhaustive optimum.
+    """With a beam holding every extension, beam search finds the exhaustive optimum.
 
     Vocabulary 6: padding (never generated), start, end and three words, so a
-    prefix continues with 4 tokens (the start token may be generated). With an
-    output limit of L tokens there are 4^(L-1) unfinished prefixes at the last
-    step, so a beam of 4^(L-1) keeps every one, and the search can only be
+    prefix continues with 4 tokens (the start token may be generated) or ends.
+    With an output limit of L tokens, the step before the last extends 4^(L-2)
+    unfinished prefixes into 4^(L-1) longer ones and 4^(L-2) ended ones, so a
+    beam of 5 * 4^(L-2) holds every extension at every step (every end token
+    is among the beam's most probable extensions), and the search can only be
     exact if its early stop and its length-limit handling are. (A beam as wide
     as the vocabulary is exhaustive only up to L = 2.) Sentences get
     different limits (source length + max_extra_len) to check they are
@@ -152,7 +167,7 @@ def test_full_width_beam_is_exhaustive_search(alpha):
     model, params = _peaked_model(vocab_size, seed=2, scale=1.0)
     src = _sources(vocab_size, [2, 1], seed=2)
     limits = [2 + max_extra_len, 1 + max_extra_len]
-    beam_size = 4 ** (max(limits) - 1)
+    beam_size = 5 * 4 ** (max(limits) - 2)
     tokens, scores = beam_search(
         model,
         params,

@@ -296,14 +296,17 @@ def beam_search(
     """Beam search with the GNMT length penalty, as in the paper (beam 4, alpha 0.6).
 
     Each step extends the `beam_size` alive hypotheses of a sentence by every
-    token. Extensions that end (the end token, or the sentence's length limit)
-    compete for the best finished hypothesis by log P / lp(length); the others
-    compete for the `beam_size` alive slots by log P. A sentence is done when
-    no alive hypothesis can still beat its best finished one (log P only
-    falls as a hypothesis grows, so log P / max lp over the reachable lengths
-    bounds its final score), which returns the same best hypothesis as
-    searching on to the length limit. The `lax.while_loop` stops when every
-    sentence is done.
+    token. Extensions that end compete for the best finished hypothesis by
+    log P / lp(length): the end token where it is among the `beam_size` most
+    probable extensions of the sentence at that step (fairseq's rule; finishing
+    every end token, however improbable, finds outputs of higher log P that
+    are too short, even empty, for small alpha), and every extension at the
+    sentence's length limit. The other extensions compete for the `beam_size`
+    alive slots by log P. A sentence is done when no alive hypothesis can
+    still beat its best finished one (log P only falls as a hypothesis grows,
+    so log P / max lp over the reachable lengths bounds its final score),
+    which returns the same best hypothesis as searching on to the length
+    limit. The `lax.while_loop` stops when every sentence is done.
 
     With beam_size 1 and alpha 0 this is greedy search; with alpha > 0 a
     single beam may go on past a probable end token to a longer hypothesis
@@ -348,8 +351,27 @@ def beam_search(
         vocab = logp_NV.shape[-1]
         candidate_BKV = alive_logp_BK[:, :, None] + logp_NV.reshape(batch, beams, vocab)
 
-        # Extensions that end here: by the end token, or by reaching the limit.
-        ends_BKV = (jnp.arange(vocab) == eos_id)[None, None, :] | (t + 1 >= limit_B)[:, None, None]
+        is_eos_V = jnp.arange(vocab) == eos_id
+        at_limit_B = t + 1 >= limit_B
+
+        # Extensions that go on compete for the alive beams.
+        going_BX = jnp.where(
+            is_eos_V[None, None, :] | at_limit_B[:, None, None], _NEG_INF, candidate_BKV
+        ).reshape(batch, beams * vocab)
+        # The barrier keeps XLA from fusing a slice of the sorted scores into a
+        # later op: on CPU that blocks the rewrite of top_k's sort into the fast
+        # TopK call, and a full sort of [batch, beams * vocab] made each step ~6x slower.
+        going_logp_BK, top_BK = jax.lax.optimization_barrier(jax.lax.top_k(going_BX, beams))
+
+        # Extensions that end here: by an end token among the `beams` most probable
+        # extensions of the sentence, or by reaching the limit. An end token's rank
+        # among all extensions: the going ones above it (if `beams` of them are, the
+        # top `beams` are) plus the end tokens above it.
+        eos_logp_BK = candidate_BKV[:, :, eos_id]
+        above_BK = jnp.sum(going_logp_BK[:, None, :] > eos_logp_BK[:, :, None], axis=-1)
+        above_BK += jnp.sum(eos_logp_BK[:, None, :] > eos_logp_BK[:, :, None], axis=-1)
+        finishes_BK = above_BK < beams
+        ends_BKV = (is_eos_V[None, None, :] & finishes_BK[:, :, None]) | at_limit_B[:, None, None]
         ended_BX = jnp.where(ends_BKV, candidate_BKV / length_penalty(t + 1, alpha), _NEG_INF)
         ended_BX = ended_BX.reshape(batch, beams * vocab)
         top_ended_B = jnp.argmax(ended_BX, axis=-1)
@@ -364,13 +386,7 @@ def beam_search(
         best_BL = jnp.where(better_B[:, None], ended_seq_BL, best_BL)
         best_score_B = jnp.where(better_B, top_ended_score_B, best_score_B)
 
-        # The rest compete for the alive beams.
-        going_BX = jnp.where(ends_BKV, _NEG_INF, candidate_BKV).reshape(batch, beams * vocab)
-        # The barrier keeps XLA from fusing a slice of the sorted scores into a
-        # later op: on CPU that blocks the rewrite of top_k's sort into the fast
-        # TopK call, and a full sort of [batch, beams * vocab] made each step ~6x slower.
-        alive_logp_BK, top_BK = jax.lax.optimization_barrier(jax.lax.top_k(going_BX, beams))
-        parent_BK = top_BK // vocab
+        alive_logp_BK, parent_BK = going_logp_BK, top_BK // vocab
         alive_BKL = jnp.take_along_axis(alive_BKL, parent_BK[:, :, None], axis=1)
         alive_BKL = jax.lax.dynamic_update_index_in_dim(
             alive_BKL, (top_BK % vocab).astype(jnp.int32), t, axis=2
