@@ -197,6 +197,16 @@ def test_incremental_decoding_matches_the_full_decoder(overrides):
     np.testing.assert_allclose(incremental, full, atol=1e-5)
 
 
+def test_stepping_past_the_cache_gives_nan_not_wrong_logits():
+    rng = np.random.default_rng(5)
+    src, tgt = _batch(rng)
+    model, params = _init(_config(), src, tgt)
+    full = _logits_fn(model)(params, src, tgt)
+    incremental = _incremental_logits(model, params, src, tgt, max_decode_len=4)
+    np.testing.assert_allclose(incremental[:, :4], full[:, :4], atol=1e-5)
+    assert np.isnan(incremental[:, 4:]).all()
+
+
 def test_cross_attention_cache_is_shared_by_beams():
     """Decoding r adjacent copies of each sentence against the un-expanded cache equals
     decoding each sentence on its own, and the cross-attention cache keeps batch B."""

@@ -192,6 +192,10 @@ class MultiHeadAttention(nn.Module):
         if not initialized:
             return k_B1HD, v_B1HD, mask
         index = cache_index.value
+        # A write past the end would be clamped onto the last positions and give wrong
+        # outputs silently; a NaN key there makes every output from then on NaN.
+        fits = index + k_B1HD.shape[1] <= cached_key.value.shape[1]
+        k_B1HD = jnp.where(fits, k_B1HD, jnp.nan)
         k_BLHD = jax.lax.dynamic_update_slice_in_dim(cached_key.value, k_B1HD, index, axis=1)
         v_BLHD = jax.lax.dynamic_update_slice_in_dim(cached_value.value, v_B1HD, index, axis=1)
         cached_key.value, cached_value.value = k_BLHD, v_BLHD

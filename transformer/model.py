@@ -371,7 +371,8 @@ class Transformer(nn.Module):
         Args:
           encoded_BSD: encoder output [batch, src_len, d_model].
           src_BS: source ids [batch, src_len].
-          max_decode_len: the most positions the decoder will be stepped.
+          max_decode_len: the most positions the decoder will be stepped; the
+            logits of every step past it are NaN.
         """
         dummy_BT = jnp.zeros((src_BS.shape[0], max_decode_len), jnp.int32)
         self.decoder(encoded_BSD, src_BS, dummy_BT, decode=True)
