@@ -123,16 +123,97 @@ def test_damaged_latest_is_reported_and_the_one_before_used(tmp_path, params):
         ckpts.save(2, _shifted(params, 2), _OPT, {"rng": [0, 2]})
     _damage(tmp_path / "checkpoints" / "2")
     warnings = []
+    # Reading for evaluation leaves the workdir as it is.
+    assert restore_params(tmp_path, "last", log=warnings.append)[1] == 1
+    assert len(warnings) == 1 and "step 2" in warnings[0] and "damaged" in warnings[0]
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        restore_params(tmp_path, 2)
+    warnings.clear()
     with Checkpoints(tmp_path, keep=3, log=warnings.append) as ckpts:
         restored = ckpts.restore_latest(params, _OPT)
     assert restored.step == 1 and restored.meta["rng"] == [0, 1]
     assert len(warnings) == 1 and "step 2" in warnings[0] and "damaged" in warnings[0]
-    assert "\n" not in warnings[0]
-    warnings.clear()
-    assert restore_params(tmp_path, "last", log=warnings.append)[1] == 1
-    assert warnings
-    with pytest.raises(CheckpointError, match="cannot be read"):
-        restore_params(tmp_path, 2)
+    assert "kept as 2.damaged" in warnings[0] and "\n" not in warnings[0]
+
+
+def test_a_resume_sets_a_damaged_latest_aside_so_that_its_step_is_saved_again(tmp_path, params):
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(1, _shifted(params, 1), _OPT, {"rng": [0, 1]})
+        ckpts.save(2, _shifted(params, 2), _OPT, {"rng": [0, 2]})
+    _damage(tmp_path / "checkpoints" / "2")
+    damaged_files = {
+        f.relative_to(tmp_path / "checkpoints" / "2"): f.read_bytes()
+        for f in (tmp_path / "checkpoints" / "2").rglob("*")
+        if f.is_file()
+    }
+    with Checkpoints(tmp_path, keep=3, log=lambda _: None) as ckpts:
+        assert ckpts.restore_latest(params, _OPT).step == 1
+        assert ckpts.steps() == [1]
+        ckpts.save(2, _shifted(params, 20), _OPT, {"rng": [0, 20]})  # step 2 trained again
+    warnings = []
+    with Checkpoints(tmp_path, keep=3, log=warnings.append) as ckpts:
+        restored = ckpts.restore_latest(params, _OPT)
+    assert warnings == [] and checkpoint_steps(tmp_path) == [1, 2]
+    assert restored.step == 2 and restored.meta["rng"] == [0, 20]
+    retrained = jax.tree.leaves(_shifted(params, 20))
+    for a, b in zip(jax.tree.leaves(restored.params), retrained, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # The damaged files are kept, by another name, for a look.
+    aside = tmp_path / "checkpoints" / "2.damaged"
+    assert {f.relative_to(aside): f.read_bytes() for f in aside.rglob("*") if f.is_file()} == (
+        damaged_files
+    )
+
+
+def test_every_checkpoint_damaged_is_an_error_that_moves_nothing(tmp_path, params):
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(1, params, _OPT, {})
+        ckpts.save(2, params, _OPT, {})
+    for step in (1, 2):
+        _damage(tmp_path / "checkpoints" / str(step))
+    warnings = []
+    with (
+        Checkpoints(tmp_path, keep=3, log=warnings.append) as ckpts,
+        pytest.raises(CheckpointError, match="every checkpoint .* is damaged"),
+    ):
+        ckpts.restore_latest(params, _OPT)
+    assert len(warnings) == 2 and "kept as" not in warnings[0] + warnings[1]
+    # Left where they are, a rerun does not start over from step 0 as if there were none.
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]
+
+
+def test_late_reads_of_a_failed_restore_print_no_tracebacks(monkeypatch):
+    # TensorStore reports these through sys.unraisablehook, one per read still running.
+    import asyncio
+    import sys
+    import types
+
+    from transformer import checkpoints
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(print)
+    except RuntimeError as e:
+        closed = e
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    monkeypatch.setattr(checkpoints, "_stray_reads_dropped", False)
+    checkpoints._drop_stray_read_errors()
+
+    def unraisable(error, obj=None):
+        # As TensorStore's threads raise it: no Python frame calls call_soon_threadsafe.
+        traceback = error.__traceback__ and error.__traceback__.tb_next
+        return types.SimpleNamespace(
+            exc_type=type(error), exc_value=error, exc_traceback=traceback, err_msg=None, object=obj
+        )
+
+    sys.unraisablehook(unraisable(closed))
+    assert seen == []
+    other = [unraisable(RuntimeError("something else")), unraisable(closed, obj=loop)]
+    for u in other:
+        sys.unraisablehook(u)
+    assert seen == other
 
 
 def test_restore_last_reads_the_newest_k_in_order_and_refuses_what_it_cannot_average(

@@ -1,6 +1,8 @@
 """Training math and the Trainer: smoothed loss, schedule, overfitting, non-finite loss stop."""
 
+import json
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ import data
 from transformer import TransformerConfig
 from transformer.checkpoints import checkpoint_steps, restore_params
 from transformer.training import (
+    MetricsLog,
     NonFiniteLossError,
     TrainConfig,
     Trainer,
@@ -98,6 +101,67 @@ def test_sqrt_cooldown_falls_as_one_minus_the_root_of_its_progress():
         )
     with pytest.raises(ValueError, match="cooldown_shape"):
         TrainConfig(steps=10, cooldown_shape="cosine")
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        # -1 scored all validation lines but the last (sources[:-1]); 0 scored them all.
+        ("bleu_max_sentences", -1, "bleu_max_sentences must be >= 1, got -1"),
+        ("bleu_max_sentences", 0, "bleu_max_sentences must be >= 1, got 0"),
+        ("bleu_max_tokens", 0, "bleu_max_tokens must be >= 1, got 0"),
+        ("eval_every", -1, "eval_every must be >= 0, got -1"),
+        ("bleu_every", -1000, "bleu_every must be >= 0, got -1000"),
+    ],
+)
+def test_bad_validation_setting_is_a_one_line_error_naming_it(field, value, message):
+    with pytest.raises(ValueError) as info:
+        TrainConfig(steps=10, **{field: value})
+    assert str(info.value) == message
+
+
+def test_validation_can_be_turned_off_and_bleu_scored_on_every_line():
+    config = TrainConfig(steps=10, eval_every=0, bleu_every=0, bleu_max_sentences=None)
+    assert (config.eval_every, config.bleu_every, config.bleu_max_sentences) == (0, 0, None)
+    assert TrainConfig(steps=10, bleu_max_sentences=1, bleu_max_tokens=1).bleu_max_sentences == 1
+
+
+def _metrics_file(workdir, steps):
+    log = MetricsLog(workdir)
+    for step in steps:
+        log.write(step, {"loss": 10.0 / step})
+    log.close()
+    return workdir / "metrics.jsonl"
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
+    path = _metrics_file(tmp_path, range(1, 7))
+    with path.open("a", encoding="utf-8") as f:
+        f.write('{"step": 7, "elapsed_s": 12.3, "lo')  # killed while appending
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    elapsed_4 = read_metrics(tmp_path)[3]["elapsed_s"]
+    log = MetricsLog(tmp_path, resume_step=4)
+    log.write(5, {"loss": 1.0})
+    log.close()
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert records[4]["elapsed_s"] >= elapsed_4  # the clock goes on from the kept records
+    assert all(json.loads(line) for line in path.read_text().splitlines())
+
+
+def test_a_failed_metrics_rewrite_on_resume_loses_no_record(tmp_path, monkeypatch):
+    path = _metrics_file(tmp_path, range(1, 9))
+    before = path.read_text()
+    write_text = pathlib.Path.write_text
+
+    def fail_halfway(self, text, *args, **kwargs):
+        write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", fail_halfway)
+    with pytest.raises(OSError, match="No space left"):
+        MetricsLog(tmp_path, resume_step=4)
+    assert path.read_text() == before
 
 
 def test_optimizer_is_adam_with_the_papers_betas_and_optional_clipping():
@@ -195,3 +259,35 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(
     assert step == 4
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(good), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_resume_past_a_damaged_last_checkpoint_saves_that_step_again(tiny_setup, tmp_path):
+    tokenizer, encoded, model_config = tiny_setup
+    config = TrainConfig(steps=8, log_every=4, eval_every=0, checkpoint_every=4, **_RECIPE)
+
+    def train(log):
+        trainer = Trainer(
+            model_config, config, tmp_path, pad_id=tokenizer.pad_id, progress=False, log=log
+        )
+        batcher = _batcher(tokenizer, encoded)
+        start = trainer.restore_or_init(batcher)
+        trainer.run(with_data_state(batcher), config.steps)
+        trainer.close()
+        return start, trainer.params()
+
+    _, straight = train(log=print)
+    for f in (tmp_path / "checkpoints" / "8" / "params").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\x00garbage")
+    warnings = []
+    start, resumed = train(log=warnings.append)
+    assert start == 4 and len(warnings) == 1 and "step 8" in warnings[0]
+    assert "kept as 8.damaged" in warnings[0]
+    assert (tmp_path / "checkpoints" / "8.damaged").is_dir()
+    # Step 8 trained again from step 4 is on disk as the latest, readable and the same.
+    warnings.clear()
+    params, step = restore_params(tmp_path, "last", log=warnings.append)
+    assert step == 8 and warnings == [] and checkpoint_steps(tmp_path) == [4, 8]
+    for a, b, c in zip(*map(jax.tree.leaves, (params, resumed, straight)), strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)

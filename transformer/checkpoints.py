@@ -15,18 +15,22 @@ iterator position). Checkpoints that were scored on the validation set carry an
 Orbax metric `val_bleu`; the manager keeps the last `keep` checkpoints plus the
 one with the best `val_bleu`. Orbax writes each step to a temporary directory
 and renames it when complete, so a killed process never leaves a step directory
-that looks finished but is not.
+that looks finished but is not. A finished one that was damaged later is renamed
+to `<step>.damaged` when a resume skips it, so that the step is trained and saved
+again (and the damaged files are kept for a look).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
 import platform
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
@@ -94,6 +98,48 @@ def _quiet_orbax() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+
+
+def _is_stray_read_error(unraisable: Any) -> bool:
+    """Whether an unraisable exception is a late read of a failed restore calling its closed loop.
+
+    Orbax stops waiting at the first array it cannot read and closes its event loop;
+    the other reads of that restore finish later in TensorStore's threads, and each
+    one's callback into the closed loop raises RuntimeError("Event loop is closed")
+    there, with no object it belongs to.
+    """
+    if not isinstance(unraisable.exc_value, RuntimeError) or unraisable.object is not None:
+        return False
+    if str(unraisable.exc_value) != "Event loop is closed" or unraisable.exc_traceback is None:
+        return False
+    return unraisable.exc_traceback.tb_frame.f_code.co_name == "call_soon_threadsafe"
+
+
+# Numbers the barriers of `Checkpoints._set_aside`, whose names must not repeat.
+_set_aside_barriers = itertools.count()
+_stray_reads_lock = threading.Lock()
+_stray_reads_dropped = False
+
+
+def _drop_stray_read_errors() -> None:
+    """From now on, drops the tracebacks of the reads a failed restore left running.
+
+    They come dozens to a damaged checkpoint, at any time after the restore failed,
+    and say nothing more than the one-line warning that reports the damage. Every
+    other unraisable exception still goes to the hook that was there before.
+    """
+    global _stray_reads_dropped
+    with _stray_reads_lock:
+        if _stray_reads_dropped:
+            return
+        _stray_reads_dropped = True
+        previous = sys.unraisablehook
+
+        def hook(unraisable: Any) -> None:
+            if not _is_stray_read_error(unraisable):
+                previous(unraisable)
+
+        sys.unraisablehook = hook
 
 
 def checkpoint_dir(workdir: str | os.PathLike) -> Path:
@@ -312,6 +358,7 @@ class Checkpoints:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = checkpoint_dir(workdir)
         self._log = log
+        self._read_only = read_only
         policy = checkpoint_managers.AnyPreservationPolicy(
             [
                 checkpoint_managers.LatestN(n=keep),
@@ -445,6 +492,11 @@ class Checkpoints:
     def restore_latest(self, params_like: PyTree, opt_state_like: PyTree) -> TrainCheckpoint | None:
         """Restores the newest readable checkpoint, skipping (and reporting) damaged ones.
 
+        Once an older one is restored, the damaged newer ones are renamed to
+        `<step>.damaged` (unless read-only), so that training saves those steps
+        again instead of finding them taken, and a later resume does not meet
+        them again.
+
         Args:
           params_like: parameter pytree of the right structure.
           opt_state_like: optimizer state pytree of the right structure.
@@ -453,22 +505,60 @@ class Checkpoints:
           The checkpoint, or None when there is none to resume from.
 
         Raises:
-          CheckpointError: the checkpoints belong to another model config, or
-            every checkpoint is damaged.
+          CheckpointError: the checkpoints belong to another model config,
+            every checkpoint is damaged, or a damaged one cannot be renamed.
         """
         steps = self.steps()
-        for i, step in enumerate(reversed(steps)):
+        damaged: list[_Unreadable] = []
+        for step in reversed(steps):
             try:
-                return self.restore(step, params_like, opt_state_like)
+                restored = self.restore(step, params_like, opt_state_like)
             except CheckpointError:
                 raise
             except Exception as e:  # noqa: BLE001 - any read failure means "damaged"
-                self._log(_Unreadable(step, self.directory, e).skipped(older=i + 1 < len(steps)))
+                _drop_stray_read_errors()
+                damaged.append(_Unreadable(step, self.directory, e))
+                continue
+            for unreadable in damaged:
+                aside = None if self._read_only else self._set_aside(unreadable.step)
+                self._log(unreadable.skipped(older=True, kept_as=aside))
+            return restored
+        for i, unreadable in enumerate(damaged):
+            self._log(unreadable.skipped(older=i + 1 < len(damaged)))
         if steps:
             raise CheckpointError(
                 f"every checkpoint in {self.directory} is damaged; delete it to start over"
             )
         return None
+
+    def _set_aside(self, step: int) -> Path:
+        """Renames the damaged checkpoint of `step` to `<step>.damaged`, which no listing counts.
+
+        Returns:
+          Its new path.
+
+        Raises:
+          CheckpointError: it cannot be renamed.
+        """
+        path = Path(ocp.path.step.build_step_path(self.directory, _STEP_NAME_FORMAT, step))
+        aside = path.with_name(f"{path.name}.damaged")
+        for n in range(2, 1000):  # an earlier one of the same step is kept too
+            if not aside.exists():
+                break
+            aside = path.with_name(f"{path.name}.damaged.{n}")
+        if jax.process_index() == 0:
+            try:
+                path.rename(aside)
+            except OSError as e:
+                raise CheckpointError(
+                    f"checkpoint step {step} in {self.directory} is damaged and cannot be "
+                    f"renamed to {aside.name} ({e.strerror}); move or delete it, then resume"
+                ) from None
+        # Every process lists the steps again once it is gone (the barrier is a no-op
+        # on one host); one that still listed it would skip saving that step.
+        ocp.multihost.sync_global_processes(f"set_aside_{step}_{next(_set_aside_barriers)}")
+        self._manager.reload()
+        return aside
 
     def restore_params(self, step: int) -> PyTree:
         """Restores only the parameters of `step` (host numpy, float32)."""
@@ -541,15 +631,22 @@ class _Unreadable(CheckpointError):
     """One checkpoint could not be read: the error, or with `skipped` the warning of a fallback."""
 
     def __init__(self, step: int, directory: Path, error: BaseException):
+        self.step = step
         self.where = f"checkpoint step {step} in {directory}"
         self.why = f"{type(error).__name__}: {_first_line(error)}"
         super().__init__(f"{self.where} cannot be read ({self.why})")
 
-    def skipped(self, *, older: bool) -> str:
-        """The one-line warning when reading goes on without it (`older`: one is left to try)."""
-        return f"{self.where} is damaged and was skipped ({self.why})" + (
-            "; trying the one before it" if older else ""
-        )
+    def skipped(self, *, older: bool, kept_as: Path | None = None) -> str:
+        """The one-line warning when reading goes on without it.
+
+        Args:
+          older: one is left to try.
+          kept_as: where the damaged checkpoint was moved, if it was.
+        """
+        message = f"{self.where} is damaged and was skipped ({self.why})"
+        if kept_as is not None:
+            message += f"; kept as {kept_as.name}"
+        return message + ("; trying the one before it" if older else "")
 
 
 def _read_params(ckpts: Checkpoints, step: int) -> PyTree:
@@ -557,6 +654,7 @@ def _read_params(ckpts: Checkpoints, step: int) -> PyTree:
     try:
         params = ckpts.restore_params(step)
     except Exception as e:  # noqa: BLE001 - any read failure means "damaged"
+        _drop_stray_read_errors()
         raise _Unreadable(step, ckpts.directory, e) from None
     return jax.tree.map(lambda x: np.asarray(x, np.float32), params)
 

@@ -131,9 +131,14 @@ class TrainConfig:
         for name in ("adam_b1", "adam_b2", "label_smoothing"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        for name in ("log_every", "checkpoint_every", "keep_checkpoints"):
+        for name in ("log_every", "checkpoint_every", "keep_checkpoints", "bleu_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_every", "bleu_every"):  # 0 turns it off
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.bleu_max_sentences is not None and self.bleu_max_sentences < 1:
+            raise ValueError(f"bleu_max_sentences must be >= 1, got {self.bleu_max_sentences}")
 
     def replace(self, **changes: Any) -> TrainConfig:
         """Returns a copy with some fields changed."""
@@ -540,7 +545,9 @@ class MetricsLog:
     Args:
       workdir: the run directory.
       resume_step: on resume, records after this step (written after the last
-        checkpoint by the interrupted run, and about to be redone) are dropped.
+        checkpoint by the interrupted run, and about to be redone) are dropped,
+        and so are lines that are not a record (the torn last line of a run
+        killed while writing it).
       enabled: False on every process but the first of a multi-host run.
     """
 
@@ -553,14 +560,13 @@ class MetricsLog:
         if not enabled:
             return
         if self.path.exists():
-            kept = [
-                line
-                for line in self.path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and _record_step(line) <= resume_step
-            ]
-            self.path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+            kept = [r for r in _read_records(self.path) if r["step"] <= resume_step]
+            # A new file renamed over the old one: a failure while writing loses no record.
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+            os.replace(tmp, self.path)
             if kept:
-                self._clock_offset = float(json.loads(kept[-1]).get("elapsed_s", 0.0))
+                self._clock_offset = float(kept[-1].get("elapsed_s", 0.0))
         from tensorboardX import SummaryWriter
 
         self._writer = SummaryWriter(
@@ -593,19 +599,29 @@ class MetricsLog:
             self._writer = None
 
 
-def _record_step(line: str) -> int:
-    try:
-        return int(json.loads(line).get("step", 0))
-    except (ValueError, AttributeError):
-        return 0
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file, in order, skipping lines that are not one.
+
+    A run killed while appending leaves its last line torn
+    (`{"step": 31, "elapsed_s": 12.3, "lo`); such a line is no record.
+    """
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict[str, float]]:
-    """The records of workdir/metrics.jsonl, in order."""
+    """The records of workdir/metrics.jsonl, in order (a torn last line is left out)."""
     path = Path(workdir) / METRICS_FILE
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    return _read_records(path)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -761,7 +777,7 @@ class Trainer:
         """Validation loss (and BLEU if asked) of the current parameters."""
         results = evaluate_loss(self.eval_step, self.state.params, validation.batches())
         if bleu and validation.sources:
-            count = self.config.bleu_max_sentences or len(validation.sources)
+            count = self.config.bleu_max_sentences or len(validation.sources)  # None: all
             results["val_bleu"] = evaluate_bleu(
                 self.model,
                 self.params(),
