@@ -51,6 +51,7 @@ def fork(source: Path, destination: Path, step: int, dropout_key: int | None = N
     Raises:
       ValueError: no checkpoint at `step`, or `destination` exists.
     """
+    source = Path(source).resolve()  # as checkpoint_dir is, so the copy can tell it
     checkpoints = checkpoint_dir(source)
     steps = checkpoint_steps(source)
     if step not in steps:

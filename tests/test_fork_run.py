@@ -31,11 +31,17 @@ def _leaves(workdir, step):
     return jax.tree.leaves(restore_params(workdir, step)[0])
 
 
-def test_a_fork_resumes_to_the_base_run_and_a_changed_fork_differs(multi30k_slice, tmp_path):
+def test_a_fork_resumes_to_the_base_run_and_a_changed_fork_differs(
+    multi30k_slice, tmp_path, monkeypatch
+):
     data_dir = multi30k_slice(n=300)
     base = tmp_path / "base"
     assert train.main(_flags(data_dir, base)) == 0
     assert checkpoint_steps(base) == [4, 8]
+    with monkeypatch.context() as m:  # workdirs named as the README's commands do
+        m.chdir(tmp_path)
+        assert fork_main(["base", "./relative/", "--step", "4"]) == 0
+    assert checkpoint_steps(tmp_path / "relative") == [4]
 
     # Unchanged, or given the dropout key the base run already had (that of its seed, 0).
     for name, fork_extra in (("same", []), ("key0", ["--dropout-key", "0"])):
