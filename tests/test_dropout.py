@@ -40,6 +40,9 @@ def test_module_is_identity_when_deterministic_or_rate_rounds_to_zero():
     assert np.any(np.asarray(Dropout(0.5).apply({}, x, rngs=rngs)) == 0.0)
 
 
-def test_rejects_a_rate_outside_0_1():
-    with pytest.raises(ValueError, match=r"dropout rate must be in \[0, 1\), got 1.0"):
-        dropout(jnp.ones(4), 1.0, jax.random.key(0))
+def test_rejects_a_rate_outside_0_1_or_rounding_to_1():
+    for rate in (1.0, -0.1, 0.999):  # 0.999 rounds to 256/256: every element dropped
+        with pytest.raises(ValueError, match=rf"dropout rate must be in \[0, 1\).*got {rate}"):
+            dropout(jnp.ones(4), rate, jax.random.key(0))
+    kept = dropout(jnp.ones(4096), 0.997, jax.random.key(0))  # 255/256: the largest rate
+    assert np.isfinite(kept).all() and 0 < np.count_nonzero(kept) < 64

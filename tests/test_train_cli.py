@@ -290,7 +290,7 @@ def test_bad_data_flag_is_a_one_line_error_and_exit_2(tmp_path):
 @pytest.mark.parametrize(
     "flag, value, message",
     [
-        ("--dropout-rate", "1.2", "bad model settings: --dropout-rate must be in [0, 1), got 1.2"),
+        ("--dropout-rate", "0.999", "bad model settings: --dropout-rate must be in [0, 1) and"),
         ("--d-model", "130", "bad model settings: --d-model (130) must be divisible by --num-h"),
         ("--num-decoder-layers", "0", "bad model settings: --num-decoder-layers must be >= 1"),
         ("--lr-scale", "0", "bad training settings: --lr-scale must be > 0, got 0.0"),

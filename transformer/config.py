@@ -7,6 +7,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from transformer.dropout import check_rate
+
 # Section 3 and Table 3 of "Attention Is All You Need".
 _PRESETS: dict[str, dict[str, Any]] = {
     "base": dict(
@@ -126,8 +128,7 @@ class TransformerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("dropout_rate", "attention_dropout_rate"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+            check_rate(getattr(self, name), name)
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})"

@@ -29,19 +29,27 @@ def quantized_rate(rate: float) -> float:
     return _threshold(rate) / _LEVELS
 
 
+def check_rate(rate: float, name: str = "dropout rate") -> None:
+    """Raises ValueError unless `rate` is in [0, 1) and does not round to 1 (from 0.998 on)."""
+    if not 0.0 <= rate < 1.0 or quantized_rate(rate) >= 1.0:
+        raise ValueError(
+            f"{name} must be in [0, 1) and below 0.998, which the 1/256 steps of dropout "
+            f"round to 1; got {rate}"
+        )
+
+
 def dropout(x: jax.Array, rate: float, rng: jax.Array) -> jax.Array:
     """Zeroes each element of `x` with probability `quantized_rate(rate)`, scales the rest.
 
     Args:
       x: any array.
-      rate: drop probability in [0, 1).
+      rate: drop probability in [0, 1), below 0.998 (see `check_rate`).
       rng: a PRNG key.
 
     Returns:
       An array like `x`.
     """
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
+    check_rate(rate)
     threshold = _threshold(rate)
     if threshold == 0:
         return x
