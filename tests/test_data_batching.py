@@ -31,6 +31,21 @@ def batcher(encoded, tok, **kw):
     return data.TokenBatcher(encoded, pad_id=tok.pad_id, bos_id=tok.bos_id, **kw)
 
 
+def host_batchers(encoded, tok, num_devices, process_count, **kw):
+    """One batcher per host of a multi-host run, each with `num_devices` local devices."""
+    return [
+        batcher(
+            encoded,
+            tok,
+            num_devices=num_devices,
+            process_index=p,
+            process_count=process_count,
+            **kw,
+        )
+        for p in range(process_count)
+    ]
+
+
 def global_rows(batch, key):
     """[D, b, L] -> [D * b, L]: the rows of all local devices, in device order."""
     return batch[key].reshape(-1, batch[key].shape[-1])
@@ -157,17 +172,7 @@ def test_one_pass_holds_every_pair_exactly_once(
     small, multi30k_tokenizer, num_devices, process_count
 ):
     tok = multi30k_tokenizer
-    hosts = [
-        batcher(
-            small,
-            tok,
-            max_tokens=512,
-            num_devices=num_devices,
-            process_index=p,
-            process_count=process_count,
-        )
-        for p in range(process_count)
-    ]
+    hosts = host_batchers(small, tok, num_devices, process_count, max_tokens=512)
     shapes = {(r, S, T) for r, S, T in hosts[0].shapes}
     seen, filler = [], 0
     for per_host in zip(*(h.one_pass() for h in hosts), strict=True):
@@ -242,17 +247,7 @@ def test_global_batch_is_independent_of_device_and_host_count(small, multi30k_to
     steps = 8
 
     def global_batches(num_devices, process_count=1):
-        hosts = [
-            batcher(
-                small,
-                tok,
-                max_tokens=512,
-                num_devices=num_devices,
-                process_index=p,
-                process_count=process_count,
-            )
-            for p in range(process_count)
-        ]
+        hosts = host_batchers(small, tok, num_devices, process_count, max_tokens=512)
         out = []
         for _ in range(steps):
             per_host = [next(h) for h in hosts]
