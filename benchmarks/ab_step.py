@@ -36,11 +36,23 @@ WORKTREE = "WORKTREE"
 _OWN_MODULES = ("benchmarks", "data", "train", "transformer")
 
 
-def export_revision(revision: str, into: Path) -> Path:
-    """The folder holding `revision`'s files: the checkout itself for WORKTREE."""
+def export_revision(revision: str, into: Path, position: int) -> Path:
+    """The folder holding `revision`'s files: the checkout itself for WORKTREE.
+
+    Args:
+      revision: a git revision, or WORKTREE.
+      into: the folder to export into.
+      position: the revision's place on the command line, which names its
+        folder, so that a revision compared with itself (to measure the
+        noise) gets a folder of its own each time.
+
+    Returns:
+      `into / "{position}_{revision}"` (slashes in the revision made "_"), or the
+      checkout for WORKTREE.
+    """
     if revision == WORKTREE:
         return REPO
-    folder = into / revision.replace("/", "_")
+    folder = into / f"{position}_{revision.replace('/', '_')}"
     folder.mkdir()
     archive = subprocess.run(
         ["git", "-C", str(REPO), "archive", "--format=tar", revision],
@@ -108,7 +120,7 @@ def alternate(runs: list[Callable[[], None]], rounds: int) -> list[list[float]]:
     return times
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("revisions", nargs=2, help=f"two git revisions, or {WORKTREE}")
     parser.add_argument("--preset", default="mini")
@@ -121,7 +133,9 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=16, help="source and target tokens")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     with imported_from(REPO):
         importlib.import_module("transformer.host_memory").keep_freed_host_memory()
@@ -130,8 +144,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         runs = []
-        for revision in args.revisions:
-            folder = export_revision(revision, Path(tmp))
+        for position, revision in enumerate(args.revisions):
+            folder = export_revision(revision, Path(tmp), position)
             start = time.perf_counter()
             run = build_step(
                 folder, args.preset, args.vocab_size, args.rows, args.length, args.warmup

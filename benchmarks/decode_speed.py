@@ -44,8 +44,11 @@ from transformer.translate import (  # noqa: E402
     pad_batch_rows,
 )
 
+MODES = ("beam", "greedy")
 
-def parse_args() -> argparse.Namespace:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; --modes becomes a list of known modes (an unknown one is a usage error)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workdir", help="a trained run; default: a random 'small' model")
     p.add_argument("--split", default="test2016")
@@ -61,7 +64,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--modes", default="beam,greedy", help="comma-separated: beam, greedy")
     p.add_argument("--no-uncached", action="store_true", help="skip the uncached baseline")
-    return p.parse_args()
+    args = p.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",")]
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        p.error(f"--modes: unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")
+    return args
 
 
 def random_small_model(data_dir: str, vocab_size: int = 8000):
@@ -103,9 +111,18 @@ def benchmark(model, params, tokenizer, batches, *, beam: int | None, use_cache:
     return compile_s, time.perf_counter() - start, outputs
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     keep_freed_host_memory()  # before the first computation starts XLA's threads
+    try:
+        return time_modes(args)
+    except data.DataError as e:  # a missing --split, --data-dir or file: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def time_modes(args: argparse.Namespace) -> int:
+    """Times every mode of `args` and prints the table; returns the exit status."""
     if args.workdir:
         run = load_run(args.workdir)
         model, params, tokenizer = run.model, run.params, run.tokenizer
@@ -119,14 +136,16 @@ def main() -> int:
             tgt=d["tgt"],
         )
         print(f"model: {args.workdir} ({run.checkpoint})")
+        sources = data.load_corpus(spec, args.split, clean=False).src
     else:
-        model, params, tokenizer = random_small_model(args.data_dir)
         spec = data.CorpusSpec(dataset="files", data_dir=args.data_dir)
+        # Read before the tokenizer is trained, so that a bad --split fails at once.
+        sources = data.load_corpus(spec, args.split, clean=False).src
+        model, params, tokenizer = random_small_model(args.data_dir)
         print(
             "model: RANDOMLY INITIALIZED 'small' preset (no --workdir), tokenizer trained on train"
         )
     params = jax.device_put(params)
-    sources = data.load_corpus(spec, args.split, clean=False).src
     if args.limit:
         sources = sources[: args.limit]
     src_ids = [ids for ids in encode_sources(tokenizer, sources) if ids]
@@ -140,10 +159,9 @@ def main() -> int:
         f"layers={c.num_encoder_layers}+{c.num_decoder_layers} vocab={c.vocab_size}; "
         f"device: {jax.devices()[0].device_kind}"
     )
-    modes = [m.strip() for m in args.modes.split(",")]
     header = f"{'search':<16}{'cache':<8}{'compile s':>10}{'decode s':>10}{'sent/s':>10}"
     print(header + f"{'tokens/s':>11}{'hit limit':>11}")
-    for mode in modes:
+    for mode in args.modes:
         beam = args.beam if mode == "beam" else None
         name = f"beam {args.beam}" if beam else "greedy"
         speeds, results = {}, {}

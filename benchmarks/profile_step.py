@@ -5,10 +5,11 @@
 
 Traces a few steps of the pmapped train step (the shape and preset of
 `benchmarks/train_speed.py`) with `jax.profiler`, reads the Perfetto trace it
-writes, and sums the duration of every XLA op event per op name. It prints the
-total per step of matmul ops against all other ops, then the time and count of
-each kind of op (the name without its number), then the slowest single ops. An
-op counts as a matmul if it is a dot or convolution, or a fusion whose fused
+writes, and sums the duration of every XLA op event per op name (only the innermost
+ones: a `while` op's event spans those of its body's ops). It prints the total
+per step of matmul ops against all other ops, then the time and count of each
+kind of op (the name without its number), then the slowest single ops. An op
+counts as a matmul if it is a dot or convolution, or a fusion whose fused
 computation holds one (read from the compiled step's HLO): XLA:CPU runs matmuls
 as YNNPACK fusions ("ynn_fusion.N"), but it runs some reductions that way too.
 Op durations on different cores overlap, so the sums can exceed wall time.
@@ -50,24 +51,65 @@ _SKIP_PREFIXES = (
     "SlinkyThreadPool",
     "PythonRefManager",
     "CommonPjRt",
+    "ParseArguments",
+    "DevicePut",
+    "Wait for donation holds",
+    "Wait for usage holds",
+    "Handle input",
+    "AllocateOutputBuffers",
+    "ThreadpoolListener",
 )
 
 
 def op_durations(trace_dir: Path) -> tuple[dict[str, float], dict[str, int]]:
-    """The trace's complete ("X") op events under `trace_dir`: (microseconds, count) per name."""
+    """The leaf op events of the Perfetto trace under `trace_dir`: see `leaf_op_durations`."""
     paths = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
     if not paths:
         raise SystemExit(f"error: jax.profiler wrote no perfetto_trace.json.gz under {trace_dir}")
     with gzip.open(paths[-1], "rt") as f:
         trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return leaf_op_durations(trace["traceEvents"] if isinstance(trace, dict) else trace)
+
+
+def leaf_op_durations(events: list[dict]) -> tuple[dict[str, float], dict[str, int]]:
+    """(microseconds, count) per op name of the complete ("X") op events that hold no other.
+
+    An op that runs others, a `while` around its body's ops or a `call`, has an
+    event spanning theirs on the same thread: counting it as well would count
+    that time twice, so only the innermost op events count. Events that are not
+    XLA ops (`_SKIP_PREFIXES`) are dropped first, so the runtime's events around
+    a whole program do not hide its ops.
+
+    Args:
+      events: Chrome/Perfetto trace events, dicts with "ph", "name", "pid",
+        "tid", "ts" and "dur" (microseconds).
+
+    Returns:
+      (total microseconds per op name, events per op name).
+    """
+    threads: dict[tuple, list[dict]] = collections.defaultdict(list)
+    for event in events:
+        if event.get("ph") == "X" and not event.get("name", "").startswith(_SKIP_PREFIXES):
+            threads[event.get("pid"), event.get("tid")].append(event)
     totals: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.Counter()
-    for event in events:
-        name = event.get("name", "")
-        if event.get("ph") == "X" and not name.startswith(_SKIP_PREFIXES):
-            totals[name] += float(event.get("dur", 0.0))
-            counts[name] += 1
+    for ops in threads.values():
+        # A thread's events nest: sorted by start (the outer first on a tie), an event
+        # that starts before the innermost open one ends lies inside it.
+        ops.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
+        holds_others = [False] * len(ops)
+        open_ops: list[tuple[int, float]] = []  # (index, end time), innermost last
+        for i, event in enumerate(ops):
+            start = float(event["ts"])
+            while open_ops and open_ops[-1][1] <= start:
+                open_ops.pop()
+            if open_ops:
+                holds_others[open_ops[-1][0]] = True
+            open_ops.append((i, start + float(event.get("dur", 0.0))))
+        for event, skip in zip(ops, holds_others, strict=True):
+            if not skip:
+                totals[event["name"]] += float(event.get("dur", 0.0))
+                counts[event["name"]] += 1
     return totals, counts
 
 
@@ -118,13 +160,15 @@ def is_matmul(name: str, fusions: set[str]) -> bool:
     return "fusion" not in lowered and any(marker in lowered for marker in _MATMUL_MARKERS)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default=None, help="model preset [train.py's default]")
     add_step_shape_arguments(parser)
     parser.add_argument("--steps", type=int, default=5, help="traced steps")
     parser.add_argument("--top", type=int, default=20, help="slowest ops to list")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
     keep_freed_host_memory()  # before the first computation starts XLA's threads
     preset = args.preset or DEFAULT_PRESET
     rows = args.rows or default_rows(args.src_len, args.tgt_len)

@@ -226,7 +226,7 @@ def default_pipeline_shapes(data_dir: Path) -> str:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--presets",
@@ -237,7 +237,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per preset")
     parser.add_argument("--matmul-size", type=int, default=2048)
     parser.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data" / "multi30k"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    presets = args.presets.split(",")
+    # Checked before anything is timed, not when a misspelt preset's turn comes.
+    unknown = [name for name in presets if name not in TransformerConfig.preset_names()]
+    if unknown:
+        parser.error(
+            f"--presets: unknown preset {unknown[0]!r}; "
+            f"choose from {', '.join(TransformerConfig.preset_names())}"
+        )
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
     keep_freed_host_memory()  # before the first computation starts XLA's threads
     if args.rows is None:  # 2048 // (16 + 16) = 64 with the defaults
         args.rows = default_rows(args.src_len, args.tgt_len)
@@ -252,7 +262,7 @@ def main() -> None:
     peaks = [probe() for _ in range(5)]
     shape = f"{args.rows} x ({args.src_len} src + {args.tgt_len} tgt) tokens"
     results = []
-    for name in args.presets.split(","):
+    for name in presets:
         print(f"{name}: compiling, then timing {args.steps} steps ...", flush=True)
         cfg = step_config(name, args)
         first, seconds = time_train_step(

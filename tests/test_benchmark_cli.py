@@ -1,0 +1,59 @@
+"""The benchmark scripts reject bad flags up front, with one `error:` line, before timing."""
+
+import subprocess
+
+import pytest
+
+from benchmarks import ab_step, decode_speed, train_speed
+
+
+def usage_error(main, argv, capsys) -> str:
+    """The error line `main(argv)` exits with (status 2), having printed nothing else."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    return err.splitlines()[-1]
+
+
+def in_git_checkout() -> bool:
+    head = ["git", "-C", str(ab_step.REPO), "rev-parse", "HEAD"]
+    return subprocess.run(head, capture_output=True, check=False).returncode == 0
+
+
+@pytest.mark.skipif(not in_git_checkout(), reason="needs the git checkout's history")
+def test_ab_step_exports_a_revision_compared_with_itself_twice(tmp_path):
+    folders = [ab_step.export_revision("HEAD", tmp_path, i) for i in (0, 1)]
+    assert folders[0] != folders[1]
+    assert all((folder / "benchmarks" / "ab_step.py").is_file() for folder in folders)
+    assert ab_step.export_revision(ab_step.WORKTREE, tmp_path, 2) == ab_step.REPO
+
+
+def test_ab_step_needs_a_round(capsys):
+    assert usage_error(ab_step.main, ["HEAD", "HEAD", "--rounds", "0"], capsys).endswith(
+        "error: --rounds must be at least 1"
+    )
+
+
+def test_decode_speed_rejects_an_unknown_mode(capsys):
+    line = usage_error(decode_speed.main, ["--modes", "beam,gredy"], capsys)
+    assert line.endswith("error: --modes: unknown mode 'gredy'; choose from beam, greedy")
+
+
+def test_decode_speed_names_a_missing_split_in_one_line(multi30k_slice, capsys):
+    folder = multi30k_slice(n=20, splits=("train",))
+    assert decode_speed.main(["--data-dir", str(folder), "--split", "tset2016"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # failed before a model was built
+    assert err.startswith("error: no split 'tset2016'") and err.count("\n") == 1
+
+
+def test_train_speed_rejects_a_misspelt_preset_before_timing_any(capsys):
+    line = usage_error(train_speed.main, ["--presets", "tiny,tyny", "--steps", "1"], capsys)
+    assert "error: --presets: unknown preset 'tyny'; choose from " in line
+
+
+def test_train_speed_needs_a_timed_step(capsys):
+    line = usage_error(train_speed.main, ["--presets", "tiny", "--steps", "0"], capsys)
+    assert line.endswith("error: --steps must be at least 1")
