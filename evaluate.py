@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     what.add_argument(
         "--plot-curve",
         metavar="PNG",
-        help="only draw the training curve (loss, validation BLEU against time) to this file",
+        help="only draw the training curve (loss, validation BLEU against time) to this PNG file "
+        "(.png is added to a name without a suffix)",
     )
     p.add_argument("--output", help="write the translations here, one per input line")
     model = p.add_argument_group("parameters")
@@ -184,6 +185,8 @@ def load_sources_and_references(
         if not args.ref_file:
             return read_lines(args.src_file), None, args.src_file
         sources, references = read_aligned_lines(args.src_file, args.ref_file)
+        if not sources:  # sacreBLEU fails on an empty corpus with an IndexError
+            raise DataError(f"{args.src_file} and {args.ref_file} are empty: nothing to score")
         return sources, references, args.src_file
     d = run.config.get("data", {})
     spec = CorpusSpec(
@@ -195,6 +198,9 @@ def load_sources_and_references(
         tgt=d.get("tgt", "de"),
     )
     corpus = load_corpus(spec, args.split, clean=False)
+    if not corpus.src:
+        files = f" ({corpus.src_path} and {corpus.tgt_path})" if corpus.src_path else ""
+        raise DataError(f"split {args.split} is empty{files}: nothing to score")
     # Score against the raw reference file, not the normalized text (TFDS has no file).
     references = read_lines(corpus.tgt_path) if corpus.tgt_path else list(corpus.tgt)
     return list(corpus.src), references, f"{args.split} {spec.src}-{spec.tgt}"
@@ -255,11 +261,33 @@ def plot_curve(workdir: str, path: str) -> int:
     if not Path(workdir).is_dir():
         raise UsageError(f"--workdir {workdir} does not exist; train into it with train.py first")
     try:
-        visualize.plot_training_curve(read_metrics(workdir), path)
+        png = visualize.png_path(path)
+    except ValueError as e:
+        raise UsageError(f"--plot-curve {e}") from None
+    _check_can_create("--plot-curve", path, png.parent)
+    try:
+        visualize.plot_training_curve(read_metrics(workdir), png)
     except ValueError as e:
         raise UsageError(f"{workdir}: {e}") from None
-    print(f"wrote {path}", file=sys.stderr)
+    print(f"wrote {png}", file=sys.stderr)
     return 0
+
+
+def _check_can_create(flag: str, name: str, directory: Path) -> None:
+    """Fails where `directory` can be neither found nor made: a file stands on its path."""
+    first = next(p for p in (directory, *directory.parents) if p.exists())
+    if not first.is_dir():
+        raise UsageError(f"{flag} {name}: {first} is not a directory")
+
+
+def _check_output_places(args: argparse.Namespace) -> None:
+    """Fails before decoding, not after, where --output or --plot-dir cannot be written."""
+    if args.output:
+        if Path(args.output).is_dir():
+            raise UsageError(f"--output {args.output} is a directory; name a file")
+        _check_can_create("--output", args.output, Path(args.output).parent)
+    if args.plot_attention:
+        _check_can_create("--plot-dir", args.plot_dir, Path(args.plot_dir))
 
 
 def _load_run(args: argparse.Namespace) -> Run:
@@ -295,6 +323,7 @@ def _evaluate(args: argparse.Namespace, load: Callable[[argparse.Namespace], Run
     """main's work once flags are parsed; errors become `error: ...` lines and status 2."""
     try:
         _check_args(args)
+        _check_output_places(args)
         if args.plot_curve:
             return plot_curve(args.workdir, args.plot_curve)
         run = load(args)

@@ -75,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not hyp:  # sacreBLEU fails on an empty corpus with an IndexError
+        print(
+            f"error: {args.hypotheses} and {args.references} are empty: nothing to score",
+            file=sys.stderr,
+        )
+        return 2
     print(f"{tokenized_bleu(hyp, ref, args.lang)} (lowercased, Moses-tokenized -a, {args.lang})")
     return 0
 

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from matplotlib import image as mpimg
@@ -160,6 +161,38 @@ def test_training_curve_is_drawn_from_metrics(workdir, tmp_path, capsys):
     assert code == 2 and "no training records" in err
 
 
+def test_training_curve_file_printed_is_the_file_written(workdir, tmp_path, capsys):
+    # matplotlib itself would add .png to a bare name but report nothing.
+    code, _, err = _run(["--workdir", workdir, "--plot-curve", tmp_path / "curve"], capsys)
+    assert code == 0 and err == f"wrote {tmp_path / 'curve.png'}\n", err
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, _, err = _run(["--workdir", workdir, "--plot-curve", tmp_path / "sub" / "c.PNG"], capsys)
+    assert code == 0 and err == f"wrote {tmp_path / 'sub' / 'c.PNG'}\n", err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["c.PNG", "curve.png", "sub"]
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("{dir}", "--plot-curve {dir} names a directory"),  # matplotlib wrote {dir}.png
+        ("{dir}/new/", "--plot-curve {dir}/new/ names a directory"),
+        ("{dir}/curve.xyz", "--plot-curve {dir}/curve.xyz: the plot is a PNG"),  # blamed workdir
+        ("{dir}/curve.pdf", "--plot-curve {dir}/curve.pdf: the plot is a PNG"),
+        ("{dir}/a_file/curve.png", "--plot-curve {dir}/a_file/curve.png: {dir}/a_file is not a"),
+    ],
+    ids=["directory", "trailing-separator", "unknown-suffix", "other-format", "under-a-file"],
+)
+def test_training_curve_path_errors_name_the_path(name, message, workdir, tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "a_file").write_text("not a directory\n")
+    name, message = name.format(dir=out_dir), message.format(dir=out_dir)
+    code, _, err = _run(["--workdir", workdir, "--plot-curve", name], capsys)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err and str(workdir) not in err, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a_file", "out"]  # nothing written
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -173,6 +206,10 @@ def test_training_curve_is_drawn_from_metrics(workdir, tmp_path, capsys):
             "no checkpoint at step 7",
         ),
         (["--workdir", "{workdir}", "--src-file", "{src}", "--ref-file", "{ref}"], "has 3 lines"),
+        (
+            ["--workdir", "{workdir}", "--src-file", "{empty_src}", "--ref-file", "{empty_ref}"],
+            "{empty_src} and {empty_ref} are empty: nothing to score",
+        ),
         (["--workdir", "{workdir}", "--split", "val", "--translate"], "exactly one of"),
         (
             ["--workdir", "{workdir}", "--split", "val", "--average-last", "4"],
@@ -198,6 +235,7 @@ def test_training_curve_is_drawn_from_metrics(workdir, tmp_path, capsys):
         "unknown-split",
         "missing-step",
         "line-mismatch",
+        "empty-files",
         "two-modes",
         "avg",
         "avg-and-checkpoint",
@@ -208,10 +246,60 @@ def test_user_errors_are_one_line_and_exit_2(argv, message, workdir, tmp_path, c
     src, ref = tmp_path / "src.en", tmp_path / "ref.de"
     src.write_text("a\nb\n", encoding="utf-8")
     ref.write_text("a\nb\nc\n", encoding="utf-8")
-    paths = dict(missing=tmp_path / "nope", workdir=workdir, src=src, ref=ref)
+    empty_src, empty_ref = tmp_path / "empty.en", tmp_path / "empty.de"
+    empty_src.write_bytes(b"")
+    empty_ref.write_bytes(b"")
+    paths = dict(
+        missing=tmp_path / "nope",
+        workdir=workdir,
+        src=src,
+        ref=ref,
+        empty_src=empty_src,
+        empty_ref=empty_ref,
+    )
     code, out, err = _run([a.format(**paths) for a in argv], capsys)
     assert code == 2
-    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert message.format(**paths) in err, err
+
+
+def test_an_empty_split_is_an_error_not_a_crash(tmp_path):
+    # sacreBLEU raises IndexError on an empty corpus; the split's files are named instead.
+    for lang in ("en", "de"):
+        (tmp_path / f"test2016.{lang}").write_bytes(b"")
+    run = SimpleNamespace(config={"data": {"dataset": "files", "data_dir": str(tmp_path)}})
+    args = evaluate.parse_args(["--workdir", "unused", "--split", "test2016"])
+    with pytest.raises(
+        data.DataError, match="split test2016 is empty .*test2016.en and .*test2016.de"
+    ):
+        evaluate.load_sources_and_references(args, run)
+
+
+def _no_decoding(args):
+    raise AssertionError("a bad output place must be reported before the model is loaded")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--plot-attention", "1", "--plot-dir", "{file}"], "--plot-dir {file}: {file} is not a"),
+        (
+            ["--plot-attention", "1", "--plot-dir", "{file}/plots"],
+            "--plot-dir {file}/plots: {file} is not a directory",
+        ),
+        (["--output", "{dir}"], "--output {dir} is a directory"),
+        (["--output", "{file}/out.de"], "--output {file}/out.de: {file} is not a directory"),
+    ],
+    ids=["plot-dir-is-a-file", "plot-dir-under-a-file", "output-is-a-dir", "output-under-a-file"],
+)
+def test_unwritable_output_places_fail_before_decoding(flags, message, tmp_path, capsys):
+    places = dict(file=tmp_path / "a_file", dir=tmp_path)
+    places["file"].write_text("not a directory\n")
+    argv = ["--workdir", tmp_path, "--split", "val", *(f.format(**places) for f in flags)]
+    code = evaluate.main([str(a) for a in argv], load=_no_decoding)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert message.format(**places) in err, err
 
 
 def test_cli_error_has_no_traceback(tmp_path, repo_root):

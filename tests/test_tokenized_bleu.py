@@ -37,3 +37,13 @@ def test_cli_scores_files_and_rejects_misaligned_ones(tmp_path, capsys):
     assert main([str(short), str(ref), "--lang", "en"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "1 lines" in err and "2" in err
+
+
+def test_cli_rejects_empty_files_in_one_line(tmp_path, capsys):
+    # sacreBLEU raises IndexError on an empty corpus.
+    hyp, ref = tmp_path / "hyp", tmp_path / "ref"
+    hyp.write_bytes(b"")
+    ref.write_bytes(b"")
+    assert main([str(hyp), str(ref), "--lang", "de"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {hyp} and {ref} are empty: nothing to score\n"

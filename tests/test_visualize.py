@@ -1,12 +1,21 @@
 """Cross-attention extraction and the attention heatmaps."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from matplotlib import image as mpimg
 
 from transformer import Transformer, TransformerConfig
-from transformer.visualize import cross_attention_weights, plot_sentence_attention
+from transformer.visualize import (
+    cross_attention_weights,
+    plot_attention,
+    plot_sentence_attention,
+    plot_training_curve,
+    png_path,
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -43,3 +52,33 @@ def test_plots_are_readable_pngs(tmp_path):
         pixels = mpimg.imread(path)
         assert pixels.ndim == 3 and min(pixels.shape[:2]) >= 300
         assert pixels.std() > 0.05
+
+
+def test_png_path_is_the_file_really_written(tmp_path):
+    assert png_path(tmp_path / "curve") == tmp_path / "curve.png"
+    assert png_path(f"{tmp_path}/curve.") == tmp_path / "curve.png"
+    assert png_path(tmp_path / "curve.PNG") == tmp_path / "curve.PNG"
+    assert png_path("v1.2.png") == Path("v1.2.png")
+    for name, message in [
+        (str(tmp_path), "names a directory"),
+        (f"{tmp_path}/new/", "names a directory"),
+        (f"{tmp_path}/curve.svg", "the plot is a PNG; name a .png file, not a .svg one"),
+        (f"{tmp_path}/run.v2", "not a .v2 one"),
+    ]:
+        with pytest.raises(ValueError, match=message) as e:
+            png_path(name)
+        assert str(e.value).startswith(name)
+
+
+def test_plots_go_to_exactly_the_path_returned(tmp_path):
+    records = [{"step": s, "loss": 5.0 - s, "elapsed_s": 60.0 * s} for s in (1, 2, 3)]
+    written = plot_training_curve(records, tmp_path / "curves" / "curve")
+    assert written == str(tmp_path / "curves" / "curve.png")
+    with open(written, "rb") as f:
+        assert f.read(8) == PNG_SIGNATURE
+    with pytest.raises(ValueError, match="curve.pdf: the plot is a PNG"):
+        plot_training_curve(records, tmp_path / "curve.pdf")
+    # A PNG under the name given, even without a suffix (matplotlib would add one).
+    plot_attention(np.eye(2), ["a", "b"], ["c", "d"], tmp_path / "bare", title="t")
+    assert (tmp_path / "bare").read_bytes()[:8] == PNG_SIGNATURE
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "curves"]

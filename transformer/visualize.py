@@ -98,7 +98,7 @@ def plot_attention(
       weights_TS: attention weights [tgt_len, src_len] (e.g. averaged over heads).
       src_tokens: the src_len source token strings (column labels).
       tgt_tokens: the tgt_len output token strings (row labels).
-      path: the PNG file to write.
+      path: the PNG file to write (exactly this name; no suffix is added).
       title: figure title (e.g. which sentence and layer).
     """
     fig, ax = plt.subplots(figsize=_size(len(src_tokens), len(tgt_tokens)), layout="constrained")
@@ -106,7 +106,7 @@ def plot_attention(
     image = _draw(ax, weights_TS, src_tokens, tgt_tokens, vmax=float(weights_TS.max()) or 1.0)
     fig.colorbar(image, ax=ax, shrink=0.8, label="attention weight")
     ax.set_title(title, fontsize=10)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -150,7 +150,7 @@ def plot_attention_heads(
         ax.set_title(f"head {h + 1}", fontsize=10)
     fig.suptitle(title, fontsize=12)
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")
     plt.close(fig)
 
 
@@ -192,6 +192,34 @@ def plot_sentence_attention(
     return paths
 
 
+def png_path(path: str | os.PathLike) -> Path:
+    """The file a PNG plot named `path` is written to.
+
+    Decided here, not by matplotlib, which would append ".png" to a name without
+    a suffix and switch to another format for another suffix, so that a caller
+    can report the file that is really written.
+
+    Args:
+      path: the name asked for.
+
+    Returns:
+      `path` if it ends in .png (any case), else `path` with ".png" appended.
+
+    Raises:
+      ValueError: `path` is a directory (or ends in a separator), or has a suffix
+        other than .png; the message starts with `path`.
+    """
+    name = os.fspath(path)
+    if name.endswith(("/", os.sep)) or Path(name).is_dir():
+        raise ValueError(f"{name} names a directory; name a .png file")
+    suffix = Path(name).suffix
+    if suffix in ("", "."):  # "." is the suffix of "curve." from Python 3.14 on
+        return Path(name + ("png" if name.endswith(".") else ".png"))
+    if suffix.lower() != ".png":
+        raise ValueError(f"{name}: the plot is a PNG; name a .png file, not a {suffix} one")
+    return Path(name)
+
+
 def plot_training_curve(records: Sequence[dict[str, float]], path: str | os.PathLike) -> str:
     """Training loss and validation BLEU against training time, as one PNG.
 
@@ -199,16 +227,21 @@ def plot_training_curve(records: Sequence[dict[str, float]], path: str | os.Path
       records: the lines of a run's metrics.jsonl (`read_metrics`): training
         records carry "loss", validation records "val_loss" and maybe
         "val_bleu"; all carry "elapsed_s".
+      path: the file to write, named as :func:`png_path` says (.png added to a
+        name without a suffix).
 
     Returns:
       The path written.
 
     Raises:
-      ValueError: no record has a training loss and a time.
+      ValueError: `path` is not a PNG name (see :func:`png_path`), or no record
+        has a training loss and a time.
     """
+    path = png_path(path)
     train = [r for r in records if "loss" in r and "elapsed_s" in r]
     if not train:
         raise ValueError("metrics.jsonl has no training records with a time yet")
+    path.parent.mkdir(parents=True, exist_ok=True)
     val = [r for r in records if "val_loss" in r and "elapsed_s" in r]
     bleu = [r for r in records if "val_bleu" in r and "elapsed_s" in r]
     minutes = lambda rs: [r["elapsed_s"] / 60 for r in rs]  # noqa: E731
@@ -232,7 +265,6 @@ def plot_training_curve(records: Sequence[dict[str, float]], path: str | os.Path
         handles, labels = handles + more_handles, labels + more_labels
     loss_ax.legend(handles, labels, loc="center right")
     loss_ax.set_title(f"{train[-1]['step']:.0f} steps in {train[-1]['elapsed_s'] / 60:.1f} min")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
     return str(path)
