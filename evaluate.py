@@ -368,7 +368,8 @@ def _evaluate(args: argparse.Namespace, load: Callable[[argparse.Namespace], Run
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        message = f"{e.filename}: {e.strerror}" if e.filename else str(e)
+        print(f"error: {message}", file=sys.stderr)
         return 2
     return 0
 

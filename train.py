@@ -361,6 +361,8 @@ def forget_unchecked_tokenizer(
     settings that `check_resume_matches` lets go (no checkpoint depends on them);
     reusing it would tokenize this corpus with another's vocabulary.
     """
+    import orbax.checkpoint as ocp
+
     from data.tokenizer import TOKENIZER_FILENAME
 
     path = workdir / TOKENIZER_FILENAME
@@ -369,6 +371,9 @@ def forget_unchecked_tokenizer(
         log(f"{path} is not from a run with these data settings: moved to {aside.name}")
         if main_process:
             path.replace(aside)
+    # On a shared workdir no process reads the tokenizer before it is moved (the barrier
+    # is a no-op on one host); one that did would tokenize with the stale vocabulary.
+    ocp.multihost.sync_global_processes("tokenizer_checked")
 
 
 def maybe_initialize_distributed(args: argparse.Namespace) -> None:
@@ -524,7 +529,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         loaded = load_training_data(workdir, data_cfg, max_len, train_cfg.seed, log)
     except OSError as e:  # an unwritable --workdir, an unreadable data file
-        raise UsageError(f"{e.strerror or e}: {e.filename}") from None
+        raise UsageError(f"{e.filename}: {e.strerror}" if e.filename else str(e)) from None
     model_cfg = model_config(args, saved, loaded.tokenizer.vocab_size, loaded.tokenizer.pad_id)
     if saved is not None:
         check_resume_matches(workdir, saved, "model", model_cfg.to_dict())

@@ -39,6 +39,17 @@ def multi30k_slice(multi30k_dir: Path, tmp_path: Path):
 
 
 @pytest.fixture(scope="session")
+def slice_dir(multi30k_dir, tmp_path_factory):
+    """The first 300 train and 24 val lines of Multi30k en-de, raw: train.py's end-to-end runs."""
+    out = tmp_path_factory.mktemp("multi30k_slice")
+    for split, n in (("train", 300), ("val", 24)):
+        for lang in ("en", "de"):
+            lines = (multi30k_dir / f"{split}.{lang}").read_bytes().split(b"\n")[:n]
+            (out / f"{split}.{lang}").write_bytes(b"\n".join(lines) + b"\n")
+    return out
+
+
+@pytest.fixture(scope="session")
 def multi30k_tokenizer(multi30k_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """The default tokenizer (joint BPE, default size) trained once on full Multi30k en-de train."""
     import data

@@ -27,17 +27,6 @@ from transformer.training import NonFiniteLossError, read_metrics
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def slice_dir(multi30k_dir, tmp_path_factory):
-    """The first 300 train and 24 val lines of Multi30k en-de, raw."""
-    out = tmp_path_factory.mktemp("multi30k_slice")
-    for split, n in (("train", 300), ("val", 24)):
-        for lang in ("en", "de"):
-            lines = (multi30k_dir / f"{split}.{lang}").read_bytes().split(b"\n")[:n]
-            (out / f"{split}.{lang}").write_bytes(b"\n".join(lines) + b"\n")
-    return out
-
-
 def _flags(slice_dir, workdir, *extra):
     return [
         "--workdir", str(workdir),
@@ -384,4 +373,6 @@ def test_an_unwritable_workdir_is_a_one_line_error(slice_dir, tmp_path, capsys):
     (tmp_path / "a_file").write_text("")
     assert train.main(_flags(slice_dir, tmp_path / "a_file" / "run")) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: Not a directory") and err.count("\n") == 1
+    # As evaluate.py and the shell say it: the path first, then what is wrong with it.
+    assert err.startswith(f"error: {tmp_path / 'a_file'}") and err.count("\n") == 1
+    assert err.endswith(": Not a directory\n")
