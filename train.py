@@ -294,6 +294,13 @@ def data_settings(args: argparse.Namespace, saved: dict[str, Any] | None) -> dic
     return settings
 
 
+def corpus_spec(settings: dict[str, Any]):
+    """The data.CorpusSpec of a run's "data" settings."""
+    import data
+
+    return data.CorpusSpec(**{k: settings[k] for k in dataclasses.asdict(data.CorpusSpec())})
+
+
 def model_config(
     args: argparse.Namespace, saved: dict[str, Any] | None, vocab_size: int, pad_id: int
 ):
@@ -413,8 +420,12 @@ def load_training_data(
     import data
     from transformer.training import ValidationData
 
-    spec = data.CorpusSpec(**{k: settings[k] for k in dataclasses.asdict(data.CorpusSpec())})
+    spec = corpus_spec(settings)
     train = data.load_corpus(spec, "train")
+    if len(train) == 0:
+        raise data.DataError(
+            f"the training split has no usable pairs ({train.summary}); fix its files"
+        )
     # Validation is read before anything is written: only a split that is not there
     # means a run without it; a broken one is an error like broken training data.
     try:
@@ -514,6 +525,7 @@ def run(args: argparse.Namespace) -> int:
     saved = load_run_config(workdir) if (workdir / CONFIG_FILE).is_file() else None
 
     data_cfg = data_settings(args, saved)
+    corpus_spec(data_cfg).check()  # contradicting data flags, before anything is written
     train_cfg = train_config(args, saved)
     max_len = args.max_len or (saved["model"]["max_len"] if saved else None)
     if max_len is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import http.client
 import os
 import sys
 import tempfile
@@ -110,8 +111,15 @@ def download(split: str, lang: str, directory: Path) -> Path:
                         sha.update(chunk)
                         out.write(chunk)
             # gzip: a bad header or CRC is an OSError, a truncated stream an EOFError,
-            # corrupt compressed data a zlib.error
-            except (urllib.error.URLError, OSError, EOFError, zlib.error) as e:
+            # corrupt compressed data a zlib.error; a connection the server closes early
+            # is an http.client.IncompleteRead (an HTTPException, not an OSError)
+            except (
+                urllib.error.URLError,
+                OSError,
+                EOFError,
+                zlib.error,
+                http.client.HTTPException,
+            ) as e:
                 reason = getattr(e, "reason", None) or e
                 raise DataError(
                     f"cannot download Multi30k {name} from {source} ({reason}); "

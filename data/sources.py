@@ -50,6 +50,24 @@ class CorpusSpec:
     src: str = "en"
     tgt: str = "de"
 
+    def check(self) -> None:
+        """Raises DataError for settings that contradict each other (which would
+        otherwise be ignored: a corpus other than the one asked for)."""
+        if self.src == self.tgt:
+            raise DataError(
+                f"source and target language are both {self.src!r}; choose two languages"
+            )
+        if self.dataset != "tfds" and self.tfds_name:
+            raise DataError(
+                f"--tfds-name {self.tfds_name} is for --dataset tfds, not {self.dataset}; "
+                "add --dataset tfds or drop --tfds-name"
+            )
+        if self.tfds_name and self.data_dir:
+            raise DataError(
+                f"--data-dir {self.data_dir} is not read with --tfds-name {self.tfds_name} "
+                "(TFDS keeps its data in --tfds-data-dir); drop one of them"
+            )
+
     def replace(self, **changes) -> CorpusSpec:
         """Returns a copy with some fields changed."""
         return dataclasses.replace(self, **changes)
@@ -199,8 +217,9 @@ def _read_folder_split(
 ) -> Corpus:
     d = Path(data_dir)
     if not d.is_dir():
+        what = "is a file, not a directory" if d.exists() else "not found"
         raise DataError(
-            f"data directory not found: {d}; "
+            f"data directory {d} {what}; "
             "pass --data-dir pointing at a folder of {split}.{lang} files"
         )
     src_path, tgt_path = d / f"{split}.{spec.src}", d / f"{split}.{spec.tgt}"
@@ -211,6 +230,13 @@ def _read_folder_split(
             f"(no {src_path.name} / {tgt_path.name}); "
             f"available splits: {', '.join(available) or 'none'}"
         )
+    for path in (src_path, tgt_path):
+        if not path.exists():
+            langs = sorted(p.suffix[1:] for p in d.glob(f"{split}.*") if p.is_file())
+            raise DataError(
+                f"no {path.name} in {d} (its {split} files are in: {', '.join(langs)}); "
+                "choose the languages with --src and --tgt"
+            )
     return read_parallel(src_path, tgt_path, clean=clean)
 
 
@@ -233,8 +259,7 @@ def load_corpus(spec: CorpusSpec, split: str, *, clean: bool = True) -> Corpus:
       DataError: unknown dataset, missing or malformed files, no network for a
         first download.
     """
-    if spec.src == spec.tgt:
-        raise DataError(f"source and target language are both {spec.src!r}; choose two languages")
+    spec.check()
     if spec.dataset == "files":
         if not spec.data_dir:
             raise DataError("dataset 'files' needs --data-dir, a folder of {split}.{lang} files")

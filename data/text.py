@@ -98,6 +98,11 @@ def read_lines(path: str | os.PathLike) -> list[str]:
         raise DataError(f"file not found: {path}") from None
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise DataError(
+            f"{path} is UTF-16 (it starts with a UTF-16 byte-order mark); "
+            "convert it to UTF-8 (e.g. iconv -f utf-16 -t utf-8)"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -108,6 +113,12 @@ def read_lines(path: str | os.PathLike) -> list[str]:
         ) from None
     if text.startswith("\ufeff"):  # a UTF-8 byte-order mark is not part of the first line
         text = text[1:]
+    if "\n" not in text and "\r" in text.rstrip("\r"):
+        # Classic Mac OS line ends: read as one line, every sentence would become one pair.
+        raise DataError(
+            f"{path} ends its lines with a carriage return (\\r) alone; "
+            "convert them to \\n (e.g. tr '\\r' '\\n')"
+        )
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +159,20 @@ def _examples(builder: Any, split: str) -> Any:
         ) from None
 
 
+def _language_advice(builder: Any, spec: Any) -> str:
+    """What to do when the dataset lacks a language: other languages, or, for a name
+    without a config, which config TFDS chose and the ones that have both languages."""
+    configs = [c.name for c in getattr(builder, "BUILDER_CONFIGS", None) or []]
+    if not spec.tfds_name or "/" in spec.tfds_name or not configs:
+        return "choose them with --src/--tgt"
+    name = spec.tfds_name.split(":")[0]
+    both = [c for c in configs if {spec.src, spec.tgt} <= set(re.split(r"[^a-z]+", c.lower()))]
+    return (
+        f"TFDS chose its default config, {builder.builder_config.name}: choose one with "
+        f"--tfds-name {name}/CONFIG ({', '.join(both or configs)}), or other --src/--tgt"
+    )
+
+
 def load_split(spec: Any, split: str) -> tuple[list[str], list[str]]:
     """Reads one split of a TFDS translation dataset as raw source/target sentences.
 
@@ -194,7 +209,7 @@ def load_split(spec: Any, split: str) -> tuple[list[str], list[str]]:
     if missing:
         raise DataError(
             f"{label} has no language {missing[0]!r}; its languages are {', '.join(languages)} "
-            "(choose them with --src/--tgt)"
+            f"({_language_advice(builder, spec)})"
         )
     _prepare(builder, label)
     available = list(builder.info.splits.keys())

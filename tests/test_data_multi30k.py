@@ -1,6 +1,7 @@
 """Multi30k cache: download from a fake opener, checksum rejection, offline message, atomicity."""
 
 import gzip
+import http.client
 import io
 import urllib.error
 
@@ -101,6 +102,29 @@ def test_corrupt_gzip_stream_is_a_data_error_and_leaves_no_file(multi30k_dir, ca
         data.load_corpus(data.CorpusSpec(), "val")
     message = str(e.value)
     assert "\n" not in message and "val.en" in message and "decompressing" in message
+    assert list(cache.iterdir()) == []
+
+
+def test_connection_closed_early_is_a_data_error_and_leaves_no_file(
+    multi30k_dir, cache, monkeypatch
+):
+    class ClosedEarly(io.BytesIO):
+        """A response whose server hangs up after its first 2000 bytes."""
+
+        def read(self, size=-1):
+            if self.tell() >= 2000:
+                raise http.client.IncompleteRead(b"", 10000)
+            return super().read(2000 - self.tell() if size < 0 else min(size, 2000 - self.tell()))
+
+    def opener(url, timeout=None):
+        return ClosedEarly(gzip.compress((multi30k_dir / "val.en").read_bytes()))
+
+    monkeypatch.setattr(multi30k, "urlopen", opener)
+    with pytest.raises(data.DataError) as e:
+        data.load_corpus(data.CorpusSpec(), "val")
+    message = str(e.value)
+    assert "\n" not in message and "cannot download Multi30k val.en" in message
+    assert "--data-dir" in message
     assert list(cache.iterdir()) == []
 
 

@@ -56,6 +56,28 @@ def test_read_lines_splits_on_newline_only(tmp_path):
     assert data.read_lines(path) == ["one\u2028still one\x0cand one", "two", "", "four"]
 
 
+def test_utf16_and_lone_carriage_returns_are_named_not_misread(tmp_path):
+    utf16 = tmp_path / "u16.en"
+    utf16.write_bytes("hi\nyo\n".encode("utf-16"))  # with its byte-order mark
+    with pytest.raises(data.DataError) as e:
+        data.read_lines(utf16)
+    assert str(utf16) in one_line(e) and "iconv -f utf-16 -t utf-8" in one_line(e)
+    # Classic Mac line ends: one line of three sentences before, so one training pair.
+    mac = tmp_path / "mac.en"
+    mac.write_bytes(b"a man\rtwo dogs\rred car\r")
+    with pytest.raises(data.DataError) as e:
+        data.read_lines(mac)
+    assert str(mac) in one_line(e) and "carriage return" in one_line(e)
+    # A stray carriage return inside a line of a \n file stays, and one line ending in \r
+    # alone is one line.
+    stray = tmp_path / "stray.en"
+    stray.write_bytes(b"a\rb\nc\n")
+    assert data.read_lines(stray) == ["a\rb", "c"]
+    one = tmp_path / "one.en"
+    one.write_bytes(b"a man\r")
+    assert data.read_lines(one) == ["a man"]
+
+
 def test_invalid_utf8_names_file_and_line(multi30k_slice):
     d = multi30k_slice(n=20, splits=("train",))
     lines = (d / "train.de").read_bytes().split(b"\n")
@@ -172,12 +194,23 @@ def test_unknown_split_lists_available_splits(multi30k_slice):
     assert "'test'" in message and "train, val" in message
 
 
+def test_a_language_the_folder_lacks_names_those_it_has(multi30k_slice):
+    d = multi30k_slice(n=10, splits=("train",), langs=("en", "de", "fr"))
+    with pytest.raises(data.DataError) as e:
+        data.load_corpus(data.CorpusSpec(dataset="files", data_dir=str(d), src="cs"), "train")
+    message = one_line(e)
+    assert f"no train.cs in {d}" in message and "de, en, fr" in message and "--src" in message
+
+
 @pytest.mark.parametrize(
     "spec, fragment",
     [
         (data.CorpusSpec(dataset="files"), "--data-dir"),
         (data.CorpusSpec(dataset="nope"), "multi30k, files, tfds"),
-        (data.CorpusSpec(dataset="files", data_dir="/nonexistent/dir"), "/nonexistent/dir"),
+        (data.CorpusSpec(dataset="files", data_dir="/nonexistent/dir"), "/nonexistent/dir not"),
+        (data.CorpusSpec(dataset="files", data_dir=__file__), "is a file, not a directory"),
+        (data.CorpusSpec(tfds_name="wmt14_translate/de-en"), "--tfds-name wmt14_translate"),
+        (data.CorpusSpec(dataset="tfds", tfds_name="x", data_dir="/tmp"), "drop one of them"),
         (data.CorpusSpec(src="en", tgt="en"), "both 'en'"),
         (data.CorpusSpec(tgt="xx"), "language 'xx'"),
     ],

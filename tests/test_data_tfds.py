@@ -30,9 +30,22 @@ def test_tfds_errors_are_one_line(multi30k_slice, tmp_path):
         data.load_corpus(spec, "test")
     with pytest.raises(data.DataError, match="no {split}.fr"):
         data.load_corpus(spec.replace(src="fr"), "train")
+    registered = spec.replace(data_dir=None)  # its data is TFDS's own, not a folder
     with pytest.raises(data.DataError, match="unknown TFDS dataset 'no_such_translate'"):
-        data.load_corpus(spec.replace(tfds_name="no_such_translate"), "train")
-    with pytest.raises(data.DataError, match="its languages are en, pt"):
+        data.load_corpus(registered.replace(tfds_name="no_such_translate"), "train")
+    with pytest.raises(data.DataError, match="its languages are en, pt") as e:
+        data.load_corpus(registered.replace(tfds_name="ted_hrlr_translate/pt_to_en"), "train")
+    assert "choose them with --src/--tgt" in str(e.value)
+    # No config named: TFDS takes the first (az_to_en); the error names the configs that
+    # have both languages, not only other languages.
+    with pytest.raises(data.DataError) as e:
+        data.load_corpus(
+            registered.replace(tfds_name="ted_hrlr_translate", src="pt", tgt="en"), "train"
+        )
+    message = str(e.value)
+    assert "its default config, az_to_en" in message and "\n" not in message
+    assert "--tfds-name ted_hrlr_translate/CONFIG (pt_to_en)" in message
+    with pytest.raises(data.DataError, match="drop one of them"):  # a folder is not read
         data.load_corpus(spec.replace(tfds_name="ted_hrlr_translate/pt_to_en"), "train")
     with pytest.raises(data.DataError, match="--tfds-name"):
         data.load_corpus(data.CorpusSpec(dataset="tfds"), "train")

@@ -272,8 +272,29 @@ def test_bad_data_flag_is_a_one_line_error_and_exit_2(tmp_path):
     result = _cli("--workdir", str(tmp_path / "run"), "--dataset", "files", "--data-dir",
                   str(tmp_path / "missing"))  # fmt: skip
     assert result.returncode == 2
-    assert result.stderr.startswith("error: data directory not found")
+    assert result.stderr.startswith(f"error: data directory {tmp_path / 'missing'} not found")
     assert result.stderr.count("\n") == 1
+
+
+def test_contradicting_data_flags_are_an_error_before_anything_is_written(tmp_path):
+    # Before, --tfds-name without --dataset tfds was dropped: a Multi30k model was trained.
+    result = _cli("--workdir", str(tmp_path / "run"), "--tfds-name", "wmt14_translate/de-en")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "--tfds-name wmt14_translate/de-en is for --dataset tfds" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_training_split_cleaning_empties_is_a_one_line_error(slice_dir, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for name in ("val.en", "val.de"):
+        (empty / name).write_bytes((slice_dir / name).read_bytes())
+    (empty / "train.en").write_text("a man\n\n")
+    (empty / "train.de").write_text("\n\n")  # every pair has an empty side
+    assert train.main(_flags(empty, tmp_path / "run")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the training split has no usable pairs") and "2 skipped" in err
+    assert err.count("\n") == 1
 
 
 @pytest.mark.parametrize(
