@@ -35,8 +35,9 @@ from pathlib import Path
 import numpy as np
 from sacrebleu.metrics import BLEU, CHRF
 
-from data import CorpusSpec, DataError, load_corpus, read_aligned_lines, read_lines
-from transformer.checkpoints import CheckpointError, checkpoint_steps
+from data import CorpusSpec, DataError, decode_lines, load_corpus, read_aligned_lines, read_lines
+from data.text import write_text_atomically
+from transformer.checkpoints import CONFIG_FILE, CheckpointError, checkpoint_steps, load_run_config
 from transformer.compilation_cache import persistent_compilation_cache
 from transformer.host_memory import keep_freed_host_memory
 from transformer.translate import Run, detokenize, encode_sources, load_run, translate_ids
@@ -160,19 +161,6 @@ def _check_args(args: argparse.Namespace) -> None:
         )
 
 
-def _read_stdin() -> list[str]:
-    raw = sys.stdin.buffer.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise DataError(f"standard input, line {line}: invalid UTF-8 ({e.reason})") from None
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return [line[:-1] if line.endswith("\r") else line for line in lines]
-
-
 def load_sources_and_references(
     args: argparse.Namespace, run: Run
 ) -> tuple[list[str], list[str] | None, str]:
@@ -180,7 +168,7 @@ def load_sources_and_references(
     if args.translate:
         if args.input:
             return read_lines(args.input), None, args.input
-        return _read_stdin(), None, "stdin"
+        return decode_lines(sys.stdin.buffer.read(), "standard input"), None, "stdin"
     if args.src_file:
         if not args.ref_file:
             return read_lines(args.src_file), None, args.src_file
@@ -188,7 +176,7 @@ def load_sources_and_references(
         if not sources:  # sacreBLEU fails on an empty corpus with an IndexError
             raise DataError(f"{args.src_file} and {args.ref_file} are empty: nothing to score")
         return sources, references, args.src_file
-    d = run.config.get("data", {})
+    d = run.config.get("data") or {}
     spec = CorpusSpec(
         dataset=d.get("dataset", "multi30k"),
         data_dir=d.get("data_dir"),
@@ -197,6 +185,11 @@ def load_sources_and_references(
         src=d.get("src", "en"),
         tgt=d.get("tgt", "de"),
     )
+    if spec.data_dir and not Path(spec.data_dir).is_dir():
+        raise DataError(
+            f"the run's data directory {spec.data_dir} (its {CONFIG_FILE}) is not there; "
+            "put the files back there or score them with --src-file and --ref-file"
+        )
     corpus = load_corpus(spec, args.split, clean=False)
     if not corpus.src:
         files = f" ({corpus.src_path} and {corpus.tgt_path})" if corpus.src_path else ""
@@ -285,6 +278,13 @@ def _check_output_places(args: argparse.Namespace) -> None:
     if args.output:
         if Path(args.output).is_dir():
             raise UsageError(f"--output {args.output} is a directory; name a file")
+        for flag in ("input", "src_file", "ref_file"):
+            given = getattr(args, flag)
+            if given and Path(given).resolve() == Path(args.output).resolve():
+                raise UsageError(
+                    f"--output {args.output} is the --{flag.replace('_', '-')} file; "
+                    "name another file, or it would be overwritten"
+                )
         _check_can_create("--output", args.output, Path(args.output).parent)
     if args.plot_attention:
         _check_can_create("--plot-dir", args.plot_dir, Path(args.plot_dir))
@@ -302,8 +302,12 @@ def _load_run(args: argparse.Namespace) -> Run:
     if args.average_last is not None:
         return load_run(args.workdir, average_last=args.average_last)
     available = len(checkpoint_steps(args.workdir))
+    # The run keeps its last keep_checkpoints plus the best, which may be far older: the
+    # average is of the recent ones only.
+    train = load_run_config(args.workdir).get("train") or {}
+    recent = min(available, train.get("keep_checkpoints") or available)
     # With no checkpoint at all, load_run reports what is missing.
-    return load_run(args.workdir, average_last=min(DEFAULT_AVERAGE_LAST, available))
+    return load_run(args.workdir, average_last=min(DEFAULT_AVERAGE_LAST, recent))
 
 
 def main(
@@ -354,8 +358,7 @@ def _evaluate(args: argparse.Namespace, load: Callable[[argparse.Namespace], Run
         hypotheses = detokenize(tok, hyp_ids)
         print(f"decoded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
         if args.output:
-            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
+            write_text_atomically(args.output, "".join(h + "\n" for h in hypotheses))
         if args.translate:
             sys.stdout.write("".join(h + "\n" for h in hypotheses))
         if references is not None:

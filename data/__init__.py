@@ -21,7 +21,7 @@ from data.batching import (
 from data.errors import DataError, MissingSplitError
 from data.prefetch import Prefetcher, prefetch
 from data.sources import CleaningSummary, Corpus, CorpusSpec, load_corpus, read_parallel
-from data.text import normalize, read_aligned_lines, read_lines
+from data.text import decode_lines, normalize, read_aligned_lines, read_lines
 from data.tokenizer import (
     DEFAULT_VOCAB_SIZE,
     Tokenizer,
@@ -46,6 +46,7 @@ __all__ = [
     "inference_batches",
     "load_corpus",
     "load_or_train_tokenizer",
+    "decode_lines",
     "normalize",
     "prefetch",
     "read_aligned_lines",

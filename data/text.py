@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import unicodedata
+from pathlib import Path
 
 from data.errors import DataError
 
@@ -98,9 +99,26 @@ def read_lines(path: str | os.PathLike) -> list[str]:
         raise DataError(f"file not found: {path}") from None
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+    return decode_lines(raw, str(path))
+
+
+def decode_lines(raw: bytes, name: str) -> list[str]:
+    """The lines of UTF-8 bytes, as :func:`read_lines` splits them.
+
+    Args:
+      raw: the bytes of a file or of standard input.
+      name: what to call them in an error (a path, "standard input").
+
+    Returns:
+      The lines, without line terminators.
+
+    Raises:
+      DataError: the bytes are UTF-16 or not valid UTF-8, or their lines end
+        with a carriage return alone.
+    """
     if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise DataError(
-            f"{path} is UTF-16 (it starts with a UTF-16 byte-order mark); "
+            f"{name} is UTF-16 (it starts with a UTF-16 byte-order mark); "
             "convert it to UTF-8 (e.g. iconv -f utf-16 -t utf-8)"
         )
     try:
@@ -108,21 +126,34 @@ def read_lines(path: str | os.PathLike) -> list[str]:
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         raise DataError(
-            f"{path}, line {line}: invalid UTF-8 ({e.reason} at byte {e.start}); "
-            "convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+            f"{name}, line {line}: invalid UTF-8 ({e.reason} at byte {e.start}); "
+            "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
         ) from None
     if text.startswith("\ufeff"):  # a UTF-8 byte-order mark is not part of the first line
         text = text[1:]
     if "\n" not in text and "\r" in text.rstrip("\r"):
         # Classic Mac OS line ends: read as one line, every sentence would become one pair.
         raise DataError(
-            f"{path} ends its lines with a carriage return (\\r) alone; "
+            f"{name} ends its lines with a carriage return (\\r) alone; "
             "convert them to \\n (e.g. tr '\\r' '\\n')"
         )
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
     return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def write_text_atomically(path: str | os.PathLike, text: str) -> None:
+    """Writes UTF-8 `text` to `path` (parent folders made) through a temporary file
+    beside it, so that an interrupted write leaves the old file or none, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_aligned_lines(*paths: str | os.PathLike) -> list[list[str]]:

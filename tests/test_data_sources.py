@@ -220,3 +220,19 @@ def test_bad_specs_give_one_line_errors(spec, fragment, monkeypatch, tmp_path):
     with pytest.raises(data.DataError) as e:
         data.load_corpus(spec, "train")
     assert fragment in one_line(e)
+
+
+def test_write_text_atomically_leaves_the_old_file_or_the_new_never_half(tmp_path, monkeypatch):
+    path = tmp_path / "out" / "hyp.de"
+    data.text.write_text_atomically(path, "eins\n")  # the folder is made
+    assert path.read_text() == "eins\n"
+
+    def interrupted(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data.text.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        data.text.write_text_atomically(path, "zwei\n")
+    assert path.read_text() == "eins\n" and sorted(p.name for p in path.parent.iterdir()) == [
+        "hyp.de"
+    ]

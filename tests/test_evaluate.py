@@ -1,6 +1,7 @@
 """evaluate.py end to end on a tiny workdir: sacreBLEU agreement, --translate, plots, errors."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -123,7 +124,8 @@ def test_average_last_and_src_file(workdir, tmp_path, capsys):
         ["--workdir", workdir, "--src-file", src, "--checkpoint", "best", "--greedy", *FAST[2:]],
         capsys,
     )
-    assert code == 0 and "step 400 (best);" in err  # no step was scored: the newest
+    # No step was scored, so "best" is the newest, and the header says so (it said "best").
+    assert code == 0 and "step 400 (the newest: no checkpoint has a validation BLEU);" in err
 
 
 def test_attention_plots_are_png_files(workdir, tmp_path, capsys):
@@ -311,3 +313,74 @@ def test_cli_error_has_no_traceback(tmp_path, repo_root):
     )
     assert result.returncode == 2
     assert result.stderr.startswith("error: workdir") and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda model: model.update(rotary=False), "bad model settings (unknown"),
+        (lambda model: model.update(d_ff=2 * model["d_ff"]), "do not fit the model of its"),
+        (lambda model: model.pop("d_model"), "do not fit the model of its"),  # the default
+    ],
+    ids=["unknown-field", "other-shape", "missing-field"],
+)
+def test_an_edited_config_is_a_one_line_error(edit, message, workdir, tmp_path, capsys):
+    # Before: a ValueError traceback, or a Flax shape error from inside the jitted search.
+    run = tmp_path / "run"
+    shutil.copytree(workdir, run)
+    config = json.loads((run / "config.json").read_text())
+    edit(config["model"])
+    (run / "config.json").write_text(json.dumps(config))
+    source = tmp_path / "in.en"
+    source.write_text("A dog.\n", encoding="utf-8")
+    code, out, err = _run(["--workdir", run, "--translate", "--input", source, *FAST], capsys)
+    assert code == 2 and out == "" and err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err and "config" in err
+
+
+def test_a_run_whose_data_moved_or_is_null_is_a_data_error(tmp_path, monkeypatch):
+    args = evaluate.parse_args(["--workdir", "unused", "--split", "val"])
+    moved = SimpleNamespace(config={"data": {"dataset": "files", "data_dir": str(tmp_path / "x")}})
+    with pytest.raises(data.DataError, match="the run's data directory .*x .* is not there"):
+        evaluate.load_sources_and_references(args, moved)
+    # "data": null reads as the defaults (Multi30k; offline here), not an AttributeError.
+    from data import multi30k
+
+    def offline(url, timeout=None):
+        raise __import__("urllib.error").error.URLError("offline")
+
+    monkeypatch.setattr(multi30k, "urlopen", offline)
+    with pytest.raises(data.DataError, match="cannot download Multi30k"):
+        evaluate.load_sources_and_references(args, SimpleNamespace(config={"data": None}))
+
+
+@pytest.mark.parametrize("flag", ["--src-file", "--ref-file"])
+def test_output_onto_an_input_file_is_refused_before_decoding(flag, tmp_path, capsys):
+    src, ref = tmp_path / "src.en", tmp_path / "ref.de"
+    src.write_text("a\n", encoding="utf-8")
+    ref.write_text("b\n", encoding="utf-8")
+    target = src if flag == "--src-file" else ref
+    argv = ["--workdir", tmp_path, "--src-file", src, "--ref-file", ref, "--output", target]
+    code = evaluate.main([str(a) for a in argv], load=_no_decoding)
+    err = capsys.readouterr().err
+    assert code == 2 and f"is the {flag} file" in err and err.count("\n") == 1, err
+    assert src.read_text() == "a\n" and ref.read_text() == "b\n"
+
+
+def test_default_average_leaves_out_a_best_kept_from_long_before(tmp_path, monkeypatch):
+    # keep_checkpoints 3: the last 3 are kept, and the best (step 100) besides them.
+    checkpoints.save_run_config(tmp_path, {"model": {}, "train": {"keep_checkpoints": 3}})
+    monkeypatch.setattr(evaluate, "checkpoint_steps", lambda workdir: [100, 900, 950, 1000])
+    asked = []
+    monkeypatch.setattr(evaluate, "load_run", lambda workdir, **kw: asked.append(kw))
+    evaluate._load_run(evaluate.parse_args(["--workdir", str(tmp_path), "--split", "val"]))
+    assert asked == [{"average_last": 3}]  # before: 4, which averaged step 100 in
+
+
+def test_standard_input_gets_the_checks_of_a_file(workdir, capsys, monkeypatch):
+    class Stdin:
+        buffer = __import__("io").BytesIO("A dog.\nA cat.\n".encode("utf-16"))
+
+    monkeypatch.setattr(sys, "stdin", Stdin)
+    code, out, err = _run(["--workdir", workdir, "--translate", *FAST], capsys)
+    assert code == 2 and out == "" and "standard input is UTF-16" in err

@@ -41,6 +41,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 
+from data.text import write_text_atomically
+
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.model"
 CHECKPOINT_DIR = "checkpoints"
@@ -158,10 +160,7 @@ def save_run_config(workdir: str | os.PathLike, config: dict[str, Any]) -> Path:
       The path written.
     """
     path = Path(workdir) / CONFIG_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomically(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
     return path
 
 

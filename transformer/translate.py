@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from tqdm import tqdm
@@ -261,7 +262,14 @@ def load_model(workdir: str | os.PathLike) -> tuple[Transformer, Tokenizer, dict
       data.DataError: missing or mismatched tokenizer.
     """
     config = checkpoints.load_run_config(workdir)
-    model_config = TransformerConfig.from_dict(config["model"])
+    try:
+        model_config = TransformerConfig.from_dict(config["model"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise checkpoints.CheckpointError(
+            f"{Path(workdir) / checkpoints.CONFIG_FILE}: bad model settings "
+            f"({' '.join(str(e).split()) or type(e).__name__}); it was edited or written by "
+            "another version of this project: restore the one its run wrote"
+        ) from None
     tokenizer = Tokenizer.load(Path(workdir) / checkpoints.TOKENIZER_FILE)
     if tokenizer.vocab_size != model_config.vocab_size:
         raise DataError(
@@ -301,5 +309,30 @@ def load_run(
         description = f"average of steps {', '.join(map(str, steps))}"
     else:
         params, step = checkpoints.restore_params(workdir, checkpoint, log=log)
-        description = f"step {step}" + (f" ({checkpoint})" if isinstance(checkpoint, str) else "")
+        label = checkpoint
+        if checkpoint == "best":
+            with checkpoints.Checkpoints(workdir, read_only=True, log=log) as ckpts:
+                best = ckpts.best_step()
+            if best is None:
+                label = "the newest: no checkpoint has a validation BLEU"
+            elif best != step:
+                label = f"the newest readable: the best, step {best}, is damaged"
+        description = f"step {step}" + (f" ({label})" if isinstance(label, str) else "")
+    _check_params_fit(model, params, workdir)
     return Run(model, params, tokenizer, config, description)
+
+
+def _check_params_fit(model: Transformer, params: Any, workdir: str | os.PathLike) -> None:
+    """A one-line CheckpointError where the checkpoints' parameters do not have the
+    shapes of the model that the workdir's config.json describes (an edited config)."""
+    token = jnp.ones((1, 1), jnp.int32)
+    want = jax.eval_shape(model.init, jax.random.key(0), token, token)["params"]
+    got, want = checkpoints.tree_shapes(params), checkpoints.tree_shapes(want)
+    for name in sorted(set(got) | set(want)):
+        if got.get(name) != want.get(name):
+            raise checkpoints.CheckpointError(
+                f"the checkpoints in {workdir} do not fit the model of its "
+                f"{checkpoints.CONFIG_FILE}: parameter {name} is {got.get(name, 'absent')} "
+                f"there but {want.get(name, 'absent')} by the config; restore the config "
+                "its run wrote"
+            )
