@@ -205,3 +205,16 @@ def test_beam_search_top_k_is_not_a_full_sort(model_and_sources):
     hlo = compiled.as_text()
     assert "TopK" in hlo
     assert " sort(" not in hlo
+
+
+def test_a_sentence_allowed_no_token_gets_none():
+    # An all-padding source with max_extra_len 0 has a limit of 0 tokens; both searches
+    # wrote one token there before. The other sentence is unaffected.
+    model, params = _peaked_model(vocab_size=16)
+    src = jnp.concatenate([_sources(16, [3]), jnp.zeros((1, 3), jnp.int32)])
+    kw = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_extra_len=0)
+    greedy = np.asarray(greedy_search(model, params, src, **kw))
+    beam, scores = beam_search(model, params, src, beam_size=3, alpha=0.6, **kw)
+    assert (greedy[1] == PAD).all() and (np.asarray(beam)[1] == PAD).all()
+    assert scores[1] == -np.inf and np.isfinite(scores[0])
+    assert (greedy[0] != PAD).any() and (np.asarray(beam)[0] != PAD).any()

@@ -339,3 +339,31 @@ def test_config_round_trip_and_validation():
         TransformerConfig.preset("huge", vocab_size=10)
     with pytest.raises(ValueError, match="unknown TransformerConfig fields"):
         TransformerConfig.from_dict({**config.to_dict(), "d_modle": 3})
+
+
+def test_beam_grouped_attention_records_one_weight_row_per_query_sentence():
+    # Beam search gives 3 beams of each of 2 sentences one copy of the source keys and
+    # values; the weights it records must still be [batch_q, heads, q_len, kv_len], row i
+    # the weights of query i, as with the source repeated per beam (before: [2, H, 3, K]).
+    attention = MultiHeadAttention(_config(dropout_rate=0.0))
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.normal(size=(6, 1, 32)), jnp.float32)
+    kv = jnp.asarray(rng.normal(size=(2, 3, 32)), jnp.float32)
+    params = attention.init(jax.random.key(0), q, jnp.repeat(kv, 3, axis=0))["params"]
+
+    def weights(kv_batch):
+        out, state = attention.apply({"params": params}, q, kv_batch, mutable=["intermediates"])
+        return out, state["intermediates"]["attention_weights"][0]
+
+    out_grouped, grouped = weights(kv)
+    out_repeated, repeated = weights(jnp.repeat(kv, 3, axis=0))
+    assert grouped.shape == repeated.shape == (6, 4, 1, 3)
+    np.testing.assert_allclose(grouped, repeated, atol=1e-6)
+    np.testing.assert_allclose(out_grouped, out_repeated, atol=1e-5)
+
+
+@pytest.mark.parametrize("pad_id", [40, -1])
+def test_a_pad_id_outside_the_vocabulary_is_a_config_error(pad_id):
+    # 40 of 40 embedded as NaN and made every logit NaN; -1 took the last row.
+    with pytest.raises(ValueError, match="pad_id must be in"):
+        _config(pad_id=pad_id)

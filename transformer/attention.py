@@ -164,6 +164,12 @@ class MultiHeadAttention(nn.Module):
             dropout_rng=dropout_rng,
             matmul_dtype=cfg.matmul_operand_dtype,
         )
+        if beams > 1:  # back to one row per query sentence, as documented
+            heads, keys = weights_BHQK.shape[1], weights_BHQK.shape[-1]
+            weights_BHQK = weights_BHQK.reshape(-1, heads, beams, len_q, keys)
+            weights_BHQK = weights_BHQK.transpose(0, 2, 1, 3, 4).reshape(
+                batch_q, heads, len_q, keys
+            )
         self.sow("intermediates", "attention_weights", weights_BHQK)
         out_BQHD = out_BQHD.reshape(batch_q, len_q, *out_BQHD.shape[2:])
         return nn.DenseGeneral(

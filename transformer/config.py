@@ -129,6 +129,8 @@ class TransformerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("dropout_rate", "attention_dropout_rate"):
             check_rate(getattr(self, name), name)
+        if not 0 <= self.pad_id < self.vocab_size:  # an id past the table embeds as NaN
+            raise ValueError(f"pad_id must be in [0, vocab_size), got {self.pad_id}")
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})"

@@ -260,7 +260,7 @@ def greedy_search(
         jnp.array(0, jnp.int32),
         decoder.init(),
         jnp.full((batch, length), pad_id, jnp.int32),
-        jnp.zeros((batch,), bool),
+        limit_B <= 0,  # a sentence allowed no token (all padding, max_extra_len 0) gets none
     )
     return jax.lax.while_loop(not_done, body, carry)[2]
 
@@ -330,7 +330,8 @@ def beam_search(
       (tokens [batch, L] int32, L = min(src_len + max_extra_len, max_len): the
        best hypothesis without the start token, the end token included where
        one was produced, then `pad_id`;
-       scores [batch] float32: its log P(Y | X) / lp(|Y|)).
+       scores [batch] float32: its log P(Y | X) / lp(|Y|), -inf for a sentence
+       whose limit allows no token).
     """
     _check_ids(bos_id, eos_id, pad_id)
     batch, beams = src_BS.shape[0], beam_size
@@ -401,8 +402,11 @@ def beam_search(
         alive_logp_BK = jnp.where(done_B[:, None], _NEG_INF, alive_logp_BK)
         return t + 1, state, alive_BKL, alive_logp_BK, best_BL, best_score_B, done_B
 
-    # Beam 0 starts alone: the others would only duplicate it.
+    # Beam 0 starts alone: the others would only duplicate it. A sentence allowed no
+    # token (all padding with max_extra_len 0) starts done, with no hypothesis.
+    none_allowed_B = limit_B <= 0
     alive_logp_BK = jnp.full((batch, beams), _NEG_INF).at[:, 0].set(0.0)
+    alive_logp_BK = jnp.where(none_allowed_B[:, None], _NEG_INF, alive_logp_BK)
     carry = (
         jnp.array(0, jnp.int32),
         decoder.init(),
@@ -410,7 +414,7 @@ def beam_search(
         alive_logp_BK,
         jnp.full((batch, length), pad_id, jnp.int32),
         jnp.full((batch,), _NEG_INF, jnp.float32),
-        jnp.zeros((batch,), bool),
+        none_allowed_B,
     )
     carry = jax.lax.while_loop(not_done, body, carry)
     return carry[4], carry[5]
