@@ -28,7 +28,13 @@ def cache_events():
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.monitoring.register_event_listener(listen)
     yield events
-    jax.monitoring.unregister_event_listener(listen)
+    # jax.monitoring has unregister_event_listener from JAX 0.7 on; before, its private twin.
+    unregister = getattr(jax.monitoring, "unregister_event_listener", None)
+    if unregister is None:
+        from jax._src import monitoring
+
+        unregister = monitoring._unregister_event_listener_by_callback
+    unregister(listen)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 

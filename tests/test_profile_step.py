@@ -1,6 +1,8 @@
 """profile_step counts as matmuls exactly the compiled ops that multiply matrices, and
 counts each op's time once."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -17,6 +19,11 @@ def test_a_fusion_around_a_dot_is_a_matmul_and_other_fusions_are_not():
     a, b = jnp.ones((256, 128)), jnp.ones((128, 256))
     text = compiled_text(lambda a, b: (a @ b).sum(axis=0) + jnp.exp(a).sum(), a, b)
     fusions = matmul_fusions(text)
+    if not fusions and "ynn_fusion" not in text:
+        # XLA before its YNNPACK fusions (JAX 0.6) runs the dot unfused, as a dot op.
+        dots = re.findall(r"%(dot[\w.]*) = ", text)
+        assert dots and all(is_matmul(dot, fusions) for dot in dots)
+        return
     assert len(fusions) == 1
     (name,) = fusions
     assert is_matmul(name, fusions)
