@@ -176,15 +176,7 @@ def load_sources_and_references(
         if not sources:  # sacreBLEU fails on an empty corpus with an IndexError
             raise DataError(f"{args.src_file} and {args.ref_file} are empty: nothing to score")
         return sources, references, args.src_file
-    d = run.config.get("data") or {}
-    spec = CorpusSpec(
-        dataset=d.get("dataset", "multi30k"),
-        data_dir=d.get("data_dir"),
-        tfds_name=d.get("tfds_name"),
-        tfds_data_dir=d.get("tfds_data_dir"),
-        src=d.get("src", "en"),
-        tgt=d.get("tgt", "de"),
-    )
+    spec = CorpusSpec.from_settings(run.config.get("data") or {})
     if spec.data_dir and not Path(spec.data_dir).is_dir():
         raise DataError(
             f"the run's data directory {spec.data_dir} (its {CONFIG_FILE}) is not there; "

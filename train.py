@@ -294,13 +294,6 @@ def data_settings(args: argparse.Namespace, saved: dict[str, Any] | None) -> dic
     return settings
 
 
-def corpus_spec(settings: dict[str, Any]):
-    """The data.CorpusSpec of a run's "data" settings."""
-    import data
-
-    return data.CorpusSpec(**{k: settings[k] for k in dataclasses.asdict(data.CorpusSpec())})
-
-
 def model_config(
     args: argparse.Namespace, saved: dict[str, Any] | None, vocab_size: int, pad_id: int
 ):
@@ -420,7 +413,7 @@ def load_training_data(
     import data
     from transformer.training import ValidationData
 
-    spec = corpus_spec(settings)
+    spec = data.CorpusSpec.from_settings(settings)
     train = data.load_corpus(spec, "train")
     if len(train) == 0:
         raise data.DataError(
@@ -506,6 +499,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
     from tqdm.auto import tqdm
 
+    import data
     from data import prefetch
     from transformer.checkpoints import (
         CONFIG_FILE,
@@ -525,7 +519,8 @@ def run(args: argparse.Namespace) -> int:
     saved = load_run_config(workdir) if (workdir / CONFIG_FILE).is_file() else None
 
     data_cfg = data_settings(args, saved)
-    corpus_spec(data_cfg).check()  # contradicting data flags, before anything is written
+    # Contradicting data flags are an error before anything is written.
+    data.CorpusSpec.from_settings(data_cfg).check()
     train_cfg = train_config(args, saved)
     max_len = args.max_len or (saved["model"]["max_len"] if saved else None)
     if max_len is None:

@@ -126,15 +126,7 @@ def time_modes(args: argparse.Namespace) -> int:
     if args.workdir:
         run = load_run(args.workdir)
         model, params, tokenizer = run.model, run.params, run.tokenizer
-        d = run.config["data"]
-        spec = data.CorpusSpec(
-            dataset=d["dataset"],
-            data_dir=d.get("data_dir"),
-            tfds_name=d.get("tfds_name"),
-            tfds_data_dir=d.get("tfds_data_dir"),
-            src=d["src"],
-            tgt=d["tgt"],
-        )
+        spec = data.CorpusSpec.from_settings(run.config["data"])
         print(f"model: {args.workdir} ({run.checkpoint})")
         sources = data.load_corpus(spec, args.split, clean=False).src
     else:

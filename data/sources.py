@@ -50,6 +50,13 @@ class CorpusSpec:
     src: str = "en"
     tgt: str = "de"
 
+    @classmethod
+    def from_settings(cls, settings: dict) -> CorpusSpec:
+        """The spec of a run's "data" settings (config.json): its fields, each missing
+        one at its default; other settings (vocabulary, batching) are ignored."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in settings.items() if k in fields})
+
     def check(self) -> None:
         """Raises DataError for settings that contradict each other (which would
         otherwise be ignored: a corpus other than the one asked for)."""

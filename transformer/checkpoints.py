@@ -324,6 +324,23 @@ def tree_shapes(tree: PyTree) -> dict[str, tuple[int, ...]]:
     }
 
 
+def shape_difference(saved: PyTree, wanted: PyTree) -> tuple[str, Any, Any] | None:
+    """The first parameter whose shape differs between two pytrees, or None.
+
+    Args:
+      saved: parameters (or their metadata) as a checkpoint holds them.
+      wanted: parameters (arrays or ShapeDtypeStructs) of the model at hand.
+
+    Returns:
+      (name, its shape in `saved`, its shape in `wanted`), "absent" for a missing one.
+    """
+    got, want = tree_shapes(saved), tree_shapes(wanted)
+    for name in sorted(set(got) | set(want)):
+        if got.get(name) != want.get(name):
+            return name, got.get(name, "absent"), want.get(name, "absent")
+    return None
+
+
 class Checkpoints:
     """The Orbax checkpoints of one workdir: save, list, and restore with fallback.
 
@@ -451,17 +468,14 @@ class Checkpoints:
         """
         with _quiet_orbax():
             saved = self._manager.item_metadata(step)["params"]
-        saved_tree = getattr(saved, "tree", saved)
-        got = tree_shapes(saved_tree)
-        want = tree_shapes(params_like)
-        for name in sorted(set(got) | set(want)):
-            if got.get(name) != want.get(name):
-                raise CheckpointError(
-                    f"checkpoint step {step} in {self.directory} does not match the model config: "
-                    f"parameter {name} is {got.get(name, 'absent')} there but "
-                    f"{want.get(name, 'absent')} now; resume with the config in the workdir's "
-                    f"{CONFIG_FILE} or use a new --workdir"
-                )
+        difference = shape_difference(getattr(saved, "tree", saved), params_like)
+        if difference:
+            name, there, now = difference
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} does not match the model config: "
+                f"parameter {name} is {there} there but {now} now; resume with the config in "
+                f"the workdir's {CONFIG_FILE} or use a new --workdir"
+            )
 
     def restore(self, step: int, params_like: PyTree, opt_state_like: PyTree) -> TrainCheckpoint:
         """Restores one training checkpoint onto the structure of the given templates.

@@ -327,12 +327,11 @@ def _check_params_fit(model: Transformer, params: Any, workdir: str | os.PathLik
     shapes of the model that the workdir's config.json describes (an edited config)."""
     token = jnp.ones((1, 1), jnp.int32)
     want = jax.eval_shape(model.init, jax.random.key(0), token, token)["params"]
-    got, want = checkpoints.tree_shapes(params), checkpoints.tree_shapes(want)
-    for name in sorted(set(got) | set(want)):
-        if got.get(name) != want.get(name):
-            raise checkpoints.CheckpointError(
-                f"the checkpoints in {workdir} do not fit the model of its "
-                f"{checkpoints.CONFIG_FILE}: parameter {name} is {got.get(name, 'absent')} "
-                f"there but {want.get(name, 'absent')} by the config; restore the config "
-                "its run wrote"
-            )
+    difference = checkpoints.shape_difference(params, want)
+    if difference:
+        name, there, configured = difference
+        raise checkpoints.CheckpointError(
+            f"the checkpoints in {workdir} do not fit the model of its "
+            f"{checkpoints.CONFIG_FILE}: parameter {name} is {there} there but {configured} "
+            "by the config; restore the config its run wrote"
+        )
