@@ -1,5 +1,7 @@
-"""The code base stays ruff-clean (lint and format), as the style guide asks."""
+"""The code base stays ruff-clean (lint and format), as the style guide asks, and runs on
+the oldest Python that pyproject.toml allows."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -10,11 +12,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _tool(name: str, *args: str) -> subprocess.CompletedProcess:
+    path = shutil.which(name) or str(Path(sys.executable).with_name(name))
+    if not Path(path).exists():
+        pytest.fail(f"{name} is not installed: pip install -e '.[test]'")
+    return subprocess.run([path, *args], cwd=REPO, capture_output=True, text=True)
+
+
 def _ruff(*args: str) -> subprocess.CompletedProcess:
-    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
-    if not Path(ruff).exists():
-        pytest.fail("ruff is not installed: pip install -e '.[test]'")
-    return subprocess.run([ruff, *args], cwd=REPO, capture_output=True, text=True)
+    return _tool("ruff", *args)
 
 
 def test_ruff_lint_is_clean():
@@ -24,4 +30,15 @@ def test_ruff_lint_is_clean():
 
 def test_ruff_format_is_clean():
     result = _ruff("format", "--check", ".")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_code_needs_no_newer_python_than_pyproject_allows():
+    # Only one Python is installed where the tests run, so the standard-library modules,
+    # members and syntax the code uses are checked statically against the oldest allowed.
+    floor = re.search(r'requires-python = ">=(\d+\.\d+)"', (REPO / "pyproject.toml").read_text())
+    assert floor, "pyproject.toml has no requires-python lower bound"
+    paths = ["transformer", "data", "benchmarks", "tests", "train.py", "evaluate.py"]
+    args = ["-q", "--no-tips", "--violations", "--eval-annotations", f"--target={floor[1]}-"]
+    result = _tool("vermin", *args, *paths)
     assert result.returncode == 0, result.stdout + result.stderr
