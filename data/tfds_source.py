@@ -173,6 +173,27 @@ def _language_advice(builder: Any, spec: Any) -> str:
     )
 
 
+def _known_splits(builder: Any) -> list[str]:
+    """The split names a builder declares before it is prepared: those of a prepared
+    copy's info, else the WMT builders' subsets; [] when only preparing tells."""
+    names = list(builder.info.splits.keys()) or list(getattr(builder, "subsets", None) or [])
+    return [str(name) for name in names]
+
+
+def _split_name(available: list[str], split: str, label: str) -> str:
+    """The TFDS name of `split` among `available` (`val` also finds `validation`).
+
+    Raises:
+      MissingSplitError: `available` is not empty and has neither name.
+    """
+    name = split if split in available else SPLIT_ALIASES.get(split, split)
+    if available and name not in available:
+        raise MissingSplitError(
+            f"{label} has no split {split!r}; available splits: {', '.join(sorted(available))}"
+        )
+    return name
+
+
 def load_split(spec: Any, split: str) -> tuple[list[str], list[str]]:
     """Reads one split of a TFDS translation dataset as raw source/target sentences.
 
@@ -211,13 +232,11 @@ def load_split(spec: Any, split: str) -> tuple[list[str], list[str]]:
             f"{label} has no language {missing[0]!r}; its languages are {', '.join(languages)} "
             f"({_language_advice(builder, spec)})"
         )
+    # Checked before preparing too where the splits are known without it (WMT's subsets),
+    # so that a misnamed split is not reported after a download of gigabytes.
+    _split_name(_known_splits(builder), split, label)
     _prepare(builder, label)
-    available = list(builder.info.splits.keys())
-    name = split if split in available else SPLIT_ALIASES.get(split, split)
-    if name not in available:
-        raise MissingSplitError(
-            f"{label} has no split {split!r}; available splits: {', '.join(sorted(available))}"
-        )
+    name = _split_name(list(builder.info.splits.keys()), split, label)
     src, tgt = [], []
     for example in _examples(builder, name):
         x, y = example[spec.src], example[spec.tgt]

@@ -51,6 +51,20 @@ def test_tfds_errors_are_one_line(multi30k_slice, tmp_path):
         data.load_corpus(data.CorpusSpec(dataset="tfds"), "train")
 
 
+def test_a_missing_wmt_split_is_reported_before_any_download(tmp_path):
+    # WMT builders declare their splits before preparing; the check runs offline here, so
+    # reaching the download would fail with "could not download/prepare" instead.
+    spec = data.CorpusSpec(
+        dataset="tfds", tfds_name="wmt14_translate/de-en", tfds_data_dir=str(tmp_path / "tfds")
+    )
+    with pytest.raises(data.MissingSplitError) as e:
+        data.load_corpus(spec, "test2016")
+    assert str(e.value) == (
+        "wmt14_translate/de-en has no split 'test2016'; available splits: test, train, validation"
+    )
+    assert not list(tmp_path.rglob("*.array_record*"))
+
+
 def test_edited_files_are_prepared_again(multi30k_slice, tmp_path):
     folder = multi30k_slice(n=20, splits=("val",))
     spec = tfds_spec(folder, tmp_path)
