@@ -184,10 +184,10 @@ def _split_name(available: list[str], split: str, label: str) -> str:
     """The TFDS name of `split` among `available` (`val` also finds `validation`).
 
     Raises:
-      MissingSplitError: `available` is not empty and has neither name.
+      MissingSplitError: `available` has neither name.
     """
     name = split if split in available else SPLIT_ALIASES.get(split, split)
-    if available and name not in available:
+    if name not in available:
         raise MissingSplitError(
             f"{label} has no split {split!r}; available splits: {', '.join(sorted(available))}"
         )
@@ -234,7 +234,8 @@ def load_split(spec: Any, split: str) -> tuple[list[str], list[str]]:
         )
     # Checked before preparing too where the splits are known without it (WMT's subsets),
     # so that a misnamed split is not reported after a download of gigabytes.
-    _split_name(_known_splits(builder), split, label)
+    if known := _known_splits(builder):
+        _split_name(known, split, label)
     _prepare(builder, label)
     name = _split_name(list(builder.info.splits.keys()), split, label)
     src, tgt = [], []
