@@ -3,6 +3,7 @@
 import json
 import math
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +148,18 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert records[4]["elapsed_s"] >= elapsed_4  # the clock goes on from the kept records
     assert all(json.loads(line) for line in path.read_text().splitlines())
+
+
+def test_metrics_are_kept_without_tensorboardx(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import raises ImportError
+    told = []
+    log = MetricsLog(tmp_path, log=told.append)
+    log.write(1, {"loss": 2.5})
+    log.write(2, {"loss": 1.5})
+    log.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 2.5), (2, 1.5)]
+    assert len(told) == 1 and "tensorboardX is not installed" in told[0]
+    assert not list(tmp_path.glob("events.out.tfevents*"))
 
 
 def test_a_failed_metrics_rewrite_on_resume_loses_no_record(tmp_path, monkeypatch):

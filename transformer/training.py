@@ -549,9 +549,18 @@ class MetricsLog:
         and so are lines that are not a record (the torn last line of a run
         killed while writing it).
       enabled: False on every process but the first of a multi-host run.
+      log: prints one line; told once when tensorboardX is not installed, in
+        which case the records go to metrics.jsonl only.
     """
 
-    def __init__(self, workdir: str | os.PathLike, *, resume_step: int = 0, enabled: bool = True):
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        *,
+        resume_step: int = 0,
+        enabled: bool = True,
+        log: Callable[[str], None] = print,
+    ):
         self.path = Path(workdir) / METRICS_FILE
         self.enabled = enabled
         self._writer = None
@@ -567,8 +576,16 @@ class MetricsLog:
             os.replace(tmp, self.path)
             if kept:
                 self._clock_offset = float(kept[-1].get("elapsed_s", 0.0))
-        from tensorboardX import SummaryWriter
-
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            # A declared dependency, but an environment made by hand (a GPU image, say) may
+            # lack it: the run's own record, metrics.jsonl, needs nothing beyond Python.
+            log(
+                "warning: tensorboardX is not installed (pip install tensorboardX), so this "
+                "run writes no TensorBoard events; metrics.jsonl has every record"
+            )
+            return
         self._writer = SummaryWriter(
             str(workdir), purge_step=resume_step + 1 if resume_step else None
         )
@@ -589,6 +606,8 @@ class MetricsLog:
         }
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        if self._writer is None:
+            return
         for name, value in values.items():
             self._writer.add_scalar(name, float(value), int(step))
 
@@ -918,7 +937,7 @@ class Trainer:
     def open_metrics(self) -> None:
         """Opens metrics.jsonl and TensorBoard, dropping records after the resumed step."""
         self._metrics = MetricsLog(
-            self.workdir, resume_step=self.step, enabled=self.is_main_process
+            self.workdir, resume_step=self.step, enabled=self.is_main_process, log=self._log
         )
 
     def close(self) -> None:
