@@ -19,17 +19,13 @@ def _tool(name: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([path, *args], cwd=REPO, capture_output=True, text=True)
 
 
-def _ruff(*args: str) -> subprocess.CompletedProcess:
-    return _tool("ruff", *args)
-
-
 def test_ruff_lint_is_clean():
-    result = _ruff("check", ".")
+    result = _tool("ruff", "check", ".")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_ruff_format_is_clean():
-    result = _ruff("format", "--check", ".")
+    result = _tool("ruff", "format", "--check", ".")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
