@@ -460,6 +460,15 @@ def load_training_data(
         + f"; padding efficiency {batcher.padding_efficiency():.1%}; "
         f"~{batcher.batches_per_epoch} batches per epoch",
     ]
+    over = [r * (s + t) for r, s, t in batcher.shapes if r * (s + t) > batcher.max_tokens]
+    if over:
+        rows = min(r for r, _, _ in batcher.shapes)
+        summary.append(
+            f"warning: --max-tokens {batcher.max_tokens} holds fewer than {rows} rows of "
+            f"{len(over)} of the {batcher.num_shapes} shapes, and a batch never has fewer "
+            f"rows (a multiple of 8 and of the device count), so those batches go over it, "
+            f"up to {max(over)} padded tokens; --max-tokens {max(over)} or more keeps to it"
+        )
     if val is None:
         return TrainingData(tokenizer, batcher, None, summary)
     val_encoded = data.encode_corpus(tokenizer, val, max_len=None, cache_dir=cache)
