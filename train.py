@@ -460,7 +460,8 @@ def load_training_data(
         + f"; padding efficiency {batcher.padding_efficiency():.1%}; "
         f"~{batcher.batches_per_epoch} batches per epoch",
     ]
-    over = [r * (s + t) for r, s, t in batcher.shapes if r * (s + t) > batcher.max_tokens]
+    padded = [r * (s + t) for r, s, t in batcher.shapes]
+    over = [n for n in padded if n > batcher.max_tokens]
     if over:
         rows = min(r for r, _, _ in batcher.shapes)
         summary.append(

@@ -404,17 +404,14 @@ def test_a_token_budget_below_the_fewest_rows_a_batch_has_is_a_warning(
     slice_dir, tmp_path, max_tokens, over
 ):
     args = train.build_parser().parse_args(_flags(slice_dir, tmp_path, "--max-tokens", max_tokens))
-    lines = []
-    summary = train.load_training_data(
-        tmp_path, train.data_settings(args, None), 64, 0, lines.append
-    ).summary
-    warnings = [line for line in summary if line.startswith("warning: --max-tokens")]
+    loaded = train.load_training_data(
+        tmp_path, train.data_settings(args, None), 64, 0, lambda line: None
+    )
+    warnings = [line for line in loaded.summary if line.startswith("warning: --max-tokens")]
     if not over:
         assert warnings == []
         return
-    (shapes_line,) = [line for line in summary if "batch shapes (rows, src, tgt)" in line]
-    shapes = shapes_line.split(": ", 2)[2].split(";")[0].split()
-    largest = max(r * (s + t) for r, s, t in (map(int, x.split("x")) for x in shapes))
+    largest = max(r * (s + t) for r, s, t in loaded.batcher.shapes)
     assert largest > 64  # the batches do go over the budget, which the warning says
     (warning,) = warnings
     assert warning.startswith("warning: --max-tokens 64 holds fewer than 8 rows of 1 of the 1")
