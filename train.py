@@ -488,25 +488,6 @@ def load_training_data(
     return TrainingData(tokenizer, batcher, validation, summary)
 
 
-def compile_step_programs(trainer, loaded: TrainingData, log) -> None:
-    """Compiles the train step for every batch shape, and the eval step for every
-    validation one, side by side before the first step (not one by one as shapes come)."""
-    from transformer.compilation_cache import available_cores
-    from transformer.training import batch_layout
-
-    cfg = trainer.config
-    validating = loaded.validation is not None and (cfg.eval_every or cfg.bleu_every)
-    evals = {batch_layout(b) for b in loaded.validation.batches()} if validating else set()
-    train = loaded.batcher.array_shapes()
-    log(
-        f"compiling: {len(train)} train-step and {len(evals)} validation-loss programs, "
-        f"up to {available_cores()} at a time"
-    )
-    began = time.time()
-    count = trainer.compile_steps(train, evals)
-    log(f"compiled: {count} programs in {time.time() - began:.1f} s")
-
-
 def install_stop_handlers(stop: threading.Event, log) -> dict[int, Any]:
     """SIGINT/SIGTERM set `stop` (the loop then saves and exits); a second SIGINT aborts."""
 
@@ -609,8 +590,6 @@ def run(args: argparse.Namespace) -> int:
                 )
         if start >= total_steps:
             log(f"already at step {start} of {total_steps}; pass a larger --steps to go on")
-        else:
-            compile_step_programs(trainer, loaded, log)
         trainer.open_metrics()
         batches = prefetch(loaded.batcher, size=2)
         result = trainer.run(

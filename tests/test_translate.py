@@ -9,13 +9,7 @@ import data
 from transformer import Transformer, TransformerConfig
 from transformer import translate as translate_module
 from transformer.decoding import greedy_search
-from transformer.translate import (
-    detokenize,
-    encode_sources,
-    pad_batch_rows,
-    translate,
-    translate_ids,
-)
+from transformer.translate import detokenize, encode_sources, translate, translate_ids
 
 MAX_EXTRA_LEN = 4
 
@@ -59,12 +53,11 @@ def test_no_decoded_batch_exceeds_max_tokens(setup, monkeypatch):
     assert padded.count(32) == 3 and len(src_ids[-1]) > max_tokens
     shapes = []
 
-    def recording_pad(src_bS):
-        src_BS = pad_batch_rows(src_bS)  # what is decoded
+    def recording_search(model, params, src_BS, **kw):
         shapes.append(src_BS.shape)
-        return src_BS
+        return greedy_search(model, params, src_BS, **kw)
 
-    monkeypatch.setattr(translate_module, "pad_batch_rows", recording_pad)
+    monkeypatch.setattr(translate_module, "greedy_search", recording_search)
     kw = dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, max_extra_len=MAX_EXTRA_LEN)
     within = translate_ids(model, params, src_ids, greedy=True, max_tokens=max_tokens, **kw)
     assert shapes[0] == (1, padded[-1])  # longest first, alone

@@ -18,8 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
@@ -99,34 +98,3 @@ def persistent_compilation_cache(
 
 def _print_to_stderr(message: str) -> None:
     print(message, file=sys.stderr)
-
-
-def available_cores() -> int:
-    """The CPU cores this process may run on (fewer than the machine's in a container)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def compile_side_by_side(
-    lowered: Sequence[jax.stages.Lowered], threads: int | None = None
-) -> list[jax.stages.Compiled]:
-    """Compiles programs in parallel threads, one program per thread at a time.
-
-    XLA compiles much of one program on one core and lets go of Python's lock while it
-    does, so the programs of a run's batch shapes, compiled side by side, are ready sooner
-    than one after another: the 12 train-step programs of a default run as in
-    `benchmarks/compile_speed.py`. A program in the persistent cache is loaded instead.
-
-    Args:
-      lowered: the programs, from `jax.jit(f).lower(...)` or `jax.pmap(f).lower(...)`.
-      threads: most programs compiled at once; default: `available_cores()`.
-
-    Returns:
-      The compiled programs, in the order of `lowered`.
-    """
-    if not lowered:
-        return []
-    threads = max(1, min(threads or available_cores(), len(lowered)))
-    with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(lambda program: program.compile(), lowered))

@@ -22,7 +22,6 @@ from tqdm import tqdm
 from data import DataError, Tokenizer, normalize
 from data.batching import inference_batches, inference_length
 from transformer import checkpoints
-from transformer.compilation_cache import compile_side_by_side
 from transformer.config import TransformerConfig
 from transformer.decoding import beam_search, greedy_search
 from transformer.model import Transformer
@@ -114,28 +113,18 @@ def translate_ids(
     outputs: list[list[int]] = [[] for _ in src_ids]
     todo = [i for i, ids in enumerate(src_ids) if len(ids)]
     search_kw = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, max_extra_len=max_extra_len)
-    if greedy:
-        search, options = greedy_search, search_kw
-    else:
-        search, options = beam_search, dict(search_kw, beam_size=beam_size, alpha=alpha)
-    batches = [
-        (indices, pad_batch_rows(src_bS))
-        for indices, src_bS in decoding_batches(
-            [np.asarray(src_ids[i], np.int32) for i in todo], max_tokens=max_tokens, pad_id=pad_id
-        )
-    ]
-    # One search program per batch shape, all compiled side by side before decoding starts.
-    shapes = list(dict.fromkeys(src_BS.shape for _, src_BS in batches))
-    lowered = [
-        search.lower(model, params, jax.ShapeDtypeStruct(shape, jnp.int32), **options)
-        for shape in shapes
-    ]
-    programs = dict(zip(shapes, compile_side_by_side(lowered), strict=True))
+    batches = decoding_batches(
+        [np.asarray(src_ids[i], np.int32) for i in todo], max_tokens=max_tokens, pad_id=pad_id
+    )
     with tqdm(total=len(todo), desc="decoding", unit="sent", disable=not progress) as bar:
-        for indices, src_BS in batches:
-            tokens_BL = programs[src_BS.shape](params, src_BS)
-            if not greedy:
-                tokens_BL = tokens_BL[0]
+        for indices, src_bS in batches:
+            src_BS = pad_batch_rows(src_bS)
+            if greedy:
+                tokens_BL = greedy_search(model, params, src_BS, **search_kw)
+            else:
+                tokens_BL, _ = beam_search(
+                    model, params, src_BS, beam_size=beam_size, alpha=alpha, **search_kw
+                )
             for i, row in zip(indices, np.asarray(tokens_BL), strict=False):
                 ends = np.flatnonzero(row == eos_id)
                 row = row[: ends[0]] if len(ends) else row
