@@ -73,3 +73,52 @@ def test_scratch_memory_is_reused_instead_of_faulted_in_every_call():
 @glibc
 def test_applies_on_glibc():
     assert keep_freed_host_memory() is True
+
+
+# Prints keep_freed_host_memory()'s answer; argv[1] "gpu" fakes an installed CUDA plugin
+# (an entry point of JAX's plugin group) and argv[2] "device" a present NVIDIA device node.
+DECIDE = """
+import os, sys
+from importlib import metadata
+from transformer import host_memory
+
+if sys.argv[1] == "gpu":
+    plugin = metadata.EntryPoint("xla_cuda13", "jax_plugins.xla_cuda13", "jax_plugins")
+    host_memory.metadata.entry_points = lambda group: [plugin] if group == "jax_plugins" else []
+real_exists = os.path.exists
+
+
+def exists(path):
+    return sys.argv[2] == "device" if path == "/dev/nvidiactl" else real_exists(path)
+
+
+os.path.exists = exists
+print(host_memory.keep_freed_host_memory())
+"""
+
+
+def _decides(*argv: str, platforms: str | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    if platforms is not None:
+        env["JAX_PLATFORMS"] = platforms
+    out = subprocess.run(
+        [sys.executable, "-c", DECIDE, *argv],
+        cwd=REPO,
+        env={**env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
+@glibc
+def test_changes_nothing_where_jax_will_run_on_an_accelerator():
+    """An accelerator's steps keep their scratch on the device, and one heap slows compiling."""
+    assert _decides("none", "none", platforms="cuda") == "False"
+    assert _decides("none", "none", platforms="tpu,cpu") == "False"
+    assert _decides("gpu", "device") == "False"  # JAX's default choice: the GPU
+    assert _decides("gpu", "device", platforms="cpu") == "True"
+    # A CUDA plugin on a machine without an NVIDIA device runs on the CPU.
+    assert _decides("gpu", "none") == "True"
+    assert _decides("none", "device") == "True"
