@@ -39,7 +39,6 @@ from data import CorpusSpec, DataError, decode_lines, load_corpus, read_aligned_
 from data.text import write_text_atomically
 from transformer.checkpoints import CONFIG_FILE, CheckpointError, checkpoint_steps, load_run_config
 from transformer.compilation_cache import persistent_compilation_cache
-from transformer.host_memory import keep_freed_host_memory
 from transformer.translate import Run, detokenize, encode_sources, load_run, translate_ids
 
 # The default parameters: the average of the last 5 checkpoints (README: best on Multi30k val).
@@ -307,7 +306,6 @@ def main(
 ) -> int:
     """The command line; `load` gives the parameters to decode with (benchmarks/soup.py's own)."""
     args = parse_args(argv)
-    keep_freed_host_memory()  # before the first computation starts XLA's threads
     with persistent_compilation_cache(
         args.compilation_cache,
         enabled=not args.no_compilation_cache,

@@ -36,7 +36,6 @@ sys.path.insert(0, str(REPO))
 import data  # noqa: E402
 from transformer import Transformer, TransformerConfig  # noqa: E402
 from transformer.decoding import beam_search, greedy_search  # noqa: E402
-from transformer.host_memory import keep_freed_host_memory  # noqa: E402
 from transformer.translate import (  # noqa: E402
     decoding_batches,
     encode_sources,
@@ -113,7 +112,6 @@ def benchmark(model, params, tokenizer, batches, *, beam: int | None, use_cache:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    keep_freed_host_memory()  # before the first computation starts XLA's threads
     try:
         return time_modes(args)
     except data.DataError as e:  # a missing --split, --data-dir or file: one line, no traceback
