@@ -75,16 +75,19 @@ def test_applies_on_glibc():
     assert keep_freed_host_memory() is True
 
 
-# Prints keep_freed_host_memory()'s answer; argv[1] "gpu" fakes an installed CUDA plugin
-# (an entry point of JAX's plugin group) and argv[2] "device" a present NVIDIA device node.
+# Prints keep_freed_host_memory()'s answer on a faked machine, whatever this one has:
+# argv[1] "gpu" an installed CUDA plugin (an entry point of JAX's plugin group), else none;
+# argv[2] "device" a present NVIDIA device node, else none; no TPU.
 DECIDE = """
-import os, sys
+import importlib.util, os, sys
 from importlib import metadata
 from transformer import host_memory
 
-if sys.argv[1] == "gpu":
-    plugin = metadata.EntryPoint("xla_cuda13", "jax_plugins.xla_cuda13", "jax_plugins")
-    host_memory.metadata.entry_points = lambda group: [plugin] if group == "jax_plugins" else []
+plugins = [metadata.EntryPoint("xla_cuda13", "jax_plugins.xla_cuda13", "jax_plugins")]
+host_memory.metadata.entry_points = lambda group: plugins if sys.argv[1] == "gpu" else []
+sys.modules["jax_plugins"] = None  # no namespace plugins: importing it fails
+real_find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name: None if name == "libtpu" else real_find_spec(name)
 real_exists = os.path.exists
 
 
