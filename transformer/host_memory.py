@@ -51,13 +51,13 @@ def uses_glibc() -> bool:
 def accelerator_expected() -> bool:
     """Whether JAX will run on an accelerator, told before JAX starts any backend.
 
-    `$JAX_PLATFORMS` (or `jax_platforms`) decides where set; otherwise, whether a JAX
-    plugin for NVIDIA (CUDA) or AMD (ROCm) GPUs, or libtpu, is installed and its device
-    is present, which is when JAX picks it by default.
+    `jax_platforms` (which JAX reads from `$JAX_PLATFORMS`) decides where set; otherwise,
+    whether a JAX plugin for NVIDIA (CUDA) or AMD (ROCm) GPUs, or libtpu, is installed and
+    its device is present, which is when JAX picks it by default.
     """
     import jax
 
-    platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS")
+    platforms = jax.config.jax_platforms
     if platforms:
         return platforms.split(",")[0].strip() not in ("cpu", "")
     plugins = {entry.name for entry in metadata.entry_points(group="jax_plugins")}
