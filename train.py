@@ -125,7 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="corpus source [multi30k]: Multi30k (downloaded once, or from --data-dir), a "
         "folder of {split}.{lang} files, or a TFDS dataset",
     )
-    d.add_argument("--data-dir", help="folder of train.{src,tgt} and val.{src,tgt} files")
+    d.add_argument(
+        "--data-dir",
+        help="folder of {split}.{lang} files: train and val (evaluate.py --split reads the "
+        "others, e.g. test2016) [none: Multi30k is downloaded]",
+    )
     d.add_argument("--tfds-name", help="TFDS dataset, e.g. wmt14_translate/de-en")
     d.add_argument("--tfds-data-dir", help="TFDS data directory [TFDS default]")
     d.add_argument("--src", help="source language code [en]")
@@ -290,8 +294,23 @@ def data_settings(args: argparse.Namespace, saved: dict[str, Any] | None) -> dic
         flags["data_dir"] = str(Path(flags["data_dir"]).resolve())
     if "tfds_data_dir" in flags:
         flags["tfds_data_dir"] = str(Path(flags["tfds_data_dir"]).resolve())
+    for name in ("vocab_size", "max_tokens", "max_shapes"):
+        if name in flags and flags[name] < 1:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"bad data settings: {flag} must be >= 1, got {flags[name]}")
     settings.update(flags)
     return settings
+
+
+def check_preset(args: argparse.Namespace) -> None:
+    """A --preset that names no preset is a usage error, before anything uses it."""
+    from transformer import TransformerConfig
+
+    names = TransformerConfig.preset_names()
+    if args.preset is not None and args.preset not in names:
+        raise UsageError(
+            f"--preset: unknown preset {args.preset!r}; choose from {', '.join(names)}"
+        )
 
 
 def model_config(
@@ -528,6 +547,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--workdir {workdir} is a file, not a directory")
     saved = load_run_config(workdir) if (workdir / CONFIG_FILE).is_file() else None
 
+    check_preset(args)
     data_cfg = data_settings(args, saved)
     # Contradicting data flags are an error before anything is written.
     data.CorpusSpec.from_settings(data_cfg).check()

@@ -1,9 +1,11 @@
 """Workdir checkpoints: round trip, last K + best retention, damaged fallback, mismatch,
 and the software record of a run."""
 
+import contextlib
 import importlib.util
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -216,6 +218,44 @@ def test_late_reads_of_a_failed_restore_print_no_tracebacks(monkeypatch):
     assert seen == other
 
 
+def restore_latest_read_only(workdir, params):
+    with Checkpoints(workdir, read_only=True) as ckpts:
+        return ckpts.restore_latest(params, _OPT)
+
+
+def test_late_reads_are_dropped_from_before_a_read_starts(tmp_path, params, monkeypatch):
+    # A failed restore's other reads report as soon as its event loop closes, which
+    # can be before the failure reaches the caller: the filter must already be on.
+    from transformer import checkpoints
+
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(1, params, _OPT, {})
+        ckpts.save(2, params, _OPT, {})
+    _damage(tmp_path / "checkpoints" / "2")
+    filter_on_at_read = []
+
+    def noting_filter(read):
+        def wrapper(self, *args):
+            filter_on_at_read.append(checkpoints._stray_reads_dropped)
+            return read(self, *args)
+
+        return wrapper
+
+    for name in ("restore", "restore_params"):
+        monkeypatch.setattr(Checkpoints, name, noting_filter(getattr(Checkpoints, name)))
+    for read in (
+        lambda: restore_params(tmp_path, 2),
+        lambda: restore_last(tmp_path, 2),
+        lambda: restore_latest_read_only(tmp_path, params),
+    ):
+        monkeypatch.setattr(checkpoints, "_stray_reads_dropped", False)
+        monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+        with contextlib.suppress(CheckpointError):
+            read()
+        assert filter_on_at_read and all(filter_on_at_read)
+        filter_on_at_read.clear()
+
+
 def test_restore_last_reads_the_newest_k_in_order_and_refuses_what_it_cannot_average(
     tmp_path, params
 ):
@@ -238,6 +278,17 @@ def test_restore_last_reads_the_newest_k_in_order_and_refuses_what_it_cannot_ave
     with pytest.raises(CheckpointError, match="checkpoint step 3 in .* cannot be read") as info:
         restore_last(tmp_path, 2)
     assert "\n" not in str(info.value)
+    assert str(info.value).endswith(
+        "evaluate others (evaluate.py --checkpoint STEP, or --average-last K)"
+    )
+
+
+def test_a_long_read_error_is_cut_between_words():
+    from transformer.checkpoints import _first_line
+
+    line = _first_line(ValueError("Requested byte range [3811, 7614) is not valid " * 9 + "\nmore"))
+    assert line.endswith(" valid Requested ...") and len(line) <= 204
+    assert _first_line(ValueError("short\nsecond line")) == "short"
 
 
 def test_other_model_config_is_a_one_line_error(tmp_path, params):

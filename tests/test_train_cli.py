@@ -84,6 +84,15 @@ def test_workdir_has_everything_evaluation_needs_and_loss_falls(straight_run, ca
     assert best_step == 16
 
 
+def test_without_a_progress_bar_each_log_step_prints_its_loss(slice_dir, tmp_path, capsys):
+    assert train.main(_flags(slice_dir, tmp_path / "run", "--steps", "8")) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    logged = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert [line.split(":")[0] for line in lines] == ["step 4/8", "step 8/8"]
+    for line, record in zip(lines, logged, strict=True):
+        assert f"loss {record['loss']:.3f}, lr {record['lr']:.2e}, " in line
+
+
 def test_stop_and_resume_gives_exactly_the_uninterrupted_parameters(
     straight_run, slice_dir, tmp_path, capsys
 ):
@@ -305,6 +314,9 @@ def test_a_training_split_cleaning_empties_is_a_one_line_error(slice_dir, tmp_pa
         ("--num-decoder-layers", "0", "bad model settings: --num-decoder-layers must be >= 1"),
         ("--lr-scale", "0", "bad training settings: --lr-scale must be > 0, got 0.0"),
         ("--adam-b2", "1", "bad training settings: --adam-b2 must be in [0, 1), got 1.0"),
+        ("--max-shapes", "0", "bad data settings: --max-shapes must be >= 1, got 0"),
+        ("--max-tokens", "-5", "bad data settings: --max-tokens must be >= 1, got -5"),
+        ("--preset", "Mini", "--preset: unknown preset 'Mini'; choose from base, big, mini, sm"),
     ],
 )
 def test_bad_setting_is_a_one_line_error_naming_the_flag_before_anything_is_written(

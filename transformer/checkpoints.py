@@ -126,9 +126,11 @@ _stray_reads_dropped = False
 def _drop_stray_read_errors() -> None:
     """From now on, drops the tracebacks of the reads a failed restore left running.
 
-    They come dozens to a damaged checkpoint, at any time after the restore failed,
-    and say nothing more than the one-line warning that reports the damage. Every
-    other unraisable exception still goes to the hook that was there before.
+    They come dozens to a damaged checkpoint, at any time after the restore failed
+    (some before the failure reaches the caller, so this is called before each
+    read), and say nothing more than the one-line error or warning that reports
+    the damage. Every other unraisable exception still goes to the hook that was
+    there before.
     """
     global _stray_reads_dropped
     with _stray_reads_lock:
@@ -523,13 +525,13 @@ class Checkpoints:
         """
         steps = self.steps()
         damaged: list[_Unreadable] = []
+        _drop_stray_read_errors()
         for step in reversed(steps):
             try:
                 restored = self.restore(step, params_like, opt_state_like)
             except CheckpointError:
                 raise
             except Exception as e:  # noqa: BLE001 - any read failure means "damaged"
-                _drop_stray_read_errors()
                 damaged.append(_Unreadable(step, self.directory, e))
                 continue
             for unreadable in damaged:
@@ -596,9 +598,13 @@ class Checkpoints:
         self.close()
 
 
-def _first_line(e: BaseException) -> str:
+def _first_line(e: BaseException, limit: int = 200) -> str:
+    """The error's first line, cut at a word before `limit` characters ("..." marks the cut)."""
     text = str(e).strip().splitlines()
-    return text[0][:200] if text else ""
+    if not text:
+        return ""
+    line = text[0]
+    return line if len(line) <= limit else line[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def checkpoint_steps(workdir: str | os.PathLike) -> list[int]:
@@ -664,10 +670,10 @@ class _Unreadable(CheckpointError):
 
 def _read_params(ckpts: Checkpoints, step: int) -> PyTree:
     """The float32 host parameters of one step, or `_Unreadable`."""
+    _drop_stray_read_errors()
     try:
         params = ckpts.restore_params(step)
     except Exception as e:  # noqa: BLE001 - any read failure means "damaged"
-        _drop_stray_read_errors()
         raise _Unreadable(step, ckpts.directory, e) from None
     return jax.tree.map(lambda x: np.asarray(x, np.float32), params)
 
@@ -756,7 +762,14 @@ def restore_last(
                 f"{len(steps)} ({', '.join(map(str, steps)) or 'none'})"
             )
         chosen = steps[-k:]
-        return [_read_params(ckpts, step) for step in chosen], chosen
+        try:
+            return [_read_params(ckpts, step) for step in chosen], chosen
+        except _Unreadable as e:
+            raise CheckpointError(
+                f"{e}; an average of the last {k} needs every one of them: resume training "
+                "(train.py sets a damaged newest checkpoint aside), or evaluate others "
+                "(evaluate.py --checkpoint STEP, or --average-last K)"
+            ) from None
 
 
 def average_params(params_list: Sequence[PyTree]) -> PyTree:

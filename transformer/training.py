@@ -700,7 +700,8 @@ class Trainer:
       workdir: the run directory (checkpoints, metrics).
       pad_id: the tokenizer's padding id.
       log: prints one line (validation results, warnings); defaults to tqdm.write.
-      progress: show a tqdm progress bar.
+      progress: show a tqdm progress bar; without one, `log` prints a line of
+        the loss, learning rate and throughput every `log_every` steps instead.
       is_main_process: writes metrics only when True (multi-host runs).
       total_steps: updates in the whole run, for a learning rate cooldown
         (defaults to `train_config.steps`).
@@ -924,6 +925,11 @@ class Trainer:
                 tok_s=f"{record['tokens_per_s']:.0f}",
                 refresh=False,
             )
+            if self.is_main_process and not self.progress:  # a log file's progress
+                self._log(
+                    f"step {step}/{total_steps}: loss {record['loss']:.3f}, "
+                    f"lr {record['lr']:.2e}, {record['tokens_per_s']:,.0f} target tokens/s"
+                )
         val_bleu = None
         if validation is not None and (due_eval or due_bleu):
             results = self.validate(validation, bleu=due_bleu)
