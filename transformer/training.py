@@ -699,7 +699,8 @@ class Trainer:
       train_config: the recipe and schedules.
       workdir: the run directory (checkpoints, metrics).
       pad_id: the tokenizer's padding id.
-      log: prints one line (validation results, warnings); defaults to tqdm.write.
+      log: prints one line (validation results, warnings, the step lines below);
+        defaults to tqdm.write.
       progress: show a tqdm progress bar; without one, `log` prints a line of
         the loss, learning rate and throughput every `log_every` steps instead.
       is_main_process: writes metrics only when True (multi-host runs).
