@@ -27,7 +27,10 @@ The training curve (loss and validation BLEU against time, from metrics.jsonl)::
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -143,6 +146,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("choose exactly one of --split, --src-file, --translate or --plot-curve")
     if args.ref_file and not args.src_file:
         raise UsageError("--ref-file needs --src-file")
+    if args.src_file and not (args.ref_file or args.output or args.plot_attention):
+        raise UsageError(
+            "--src-file alone would translate into nothing: add --output FILE (or --ref-file "
+            "to score the translations; --translate --input FILE prints them)"
+        )
     if args.input and not args.translate:
         raise UsageError("--input goes with --translate (use --src-file to score a file)")
     for name in ("beam", "max_tokens"):
@@ -264,6 +272,25 @@ def _check_can_create(flag: str, name: str, directory: Path) -> None:
         raise UsageError(f"{flag} {name}: {first} is not a directory")
 
 
+def _check_can_write(flag: str, name: str) -> None:
+    """Fails where the file `name` could not be written (its folder is read-only, say)."""
+    path = Path(name)
+    if path.exists() and not path.is_file():  # a device or a pipe: written to directly
+        if not os.access(path, os.W_OK):
+            raise UsageError(f"{flag} {name}: not writable")
+        return
+    folder = Path(os.path.realpath(path)).parent
+    try:
+        if folder.is_dir():
+            tempfile.TemporaryFile(dir=folder).close()
+        else:  # made when the output is written: its nearest existing folder must allow it
+            first = next(p for p in folder.parents if p.exists())
+            if not os.access(first, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as e:
+        raise UsageError(f"{flag} {name}: cannot write there ({e.strerror})") from None
+
+
 def _check_output_places(args: argparse.Namespace) -> None:
     """Fails before decoding, not after, where --output or --plot-dir cannot be written."""
     if args.output:
@@ -277,6 +304,7 @@ def _check_output_places(args: argparse.Namespace) -> None:
                     "name another file, or it would be overwritten"
                 )
         _check_can_create("--output", args.output, Path(args.output).parent)
+        _check_can_write("--output", args.output)
     if args.plot_attention:
         _check_can_create("--plot-dir", args.plot_dir, Path(args.plot_dir))
 
@@ -364,6 +392,9 @@ def _evaluate(args: argparse.Namespace, load: Callable[[argparse.Namespace], Run
         message = f"{e.filename}: {e.strerror}" if e.filename else str(e)
         print(f"error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted; --output is written only once decoding is done", file=sys.stderr)
+        return 130
     return 0
 
 

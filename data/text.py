@@ -7,8 +7,10 @@ spellings of the same text.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import unicodedata
 from pathlib import Path
 
@@ -145,15 +147,34 @@ def decode_lines(raw: bytes, name: str) -> list[str]:
 
 def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     """Writes UTF-8 `text` to `path` (parent folders made) through a temporary file
-    beside it, so that an interrupted write leaves the old file or none, never half."""
+    beside it, so that an interrupted write leaves the old file or none, never half.
+
+    A symbolic link is written through, to the file it points to, which keeps its
+    permissions. Something there that is not a regular file, such as /dev/stdout or
+    a pipe, is written to directly: it cannot be replaced, and must not be.
+
+    Raises:
+      OSError: the file cannot be written; its filename is `path`, not the
+        temporary file's.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not path.is_file():  # a device or a pipe (or a link to one)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return
+    path = Path(os.path.realpath(path))  # a link's target, so the link stays a link
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text, encoding="utf-8")
+        if path.exists():
+            shutil.copymode(path, tmp)
         os.replace(tmp, path)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # none was made where the folder is not one
+            tmp.unlink(missing_ok=True)
 
 
 def read_aligned_lines(*paths: str | os.PathLike) -> list[list[str]]:

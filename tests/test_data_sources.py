@@ -1,5 +1,9 @@
 """Sources and cleaning: normalization, file errors, skip counts, splits (real Multi30k)."""
 
+import concurrent.futures
+import os
+import stat
+
 import pytest
 
 import data
@@ -220,6 +224,28 @@ def test_bad_specs_give_one_line_errors(spec, fragment, monkeypatch, tmp_path):
     with pytest.raises(data.DataError) as e:
         data.load_corpus(spec, "train")
     assert fragment in one_line(e)
+
+
+def test_write_text_atomically_writes_through_links_and_into_pipes(tmp_path):
+    # A link stays a link, its file keeps its permissions; a pipe is written to, not replaced.
+    target = tmp_path / "real.txt"
+    target.write_text("old\n")
+    target.chmod(0o640)
+    link = tmp_path / "link.txt"
+    link.symlink_to(target)
+    data.text.write_text_atomically(link, "new\n")
+    assert link.is_symlink() and target.read_text() == "new\n"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        read = pool.submit(fifo.read_text)
+        data.text.write_text_atomically(fifo, "through the pipe\n")
+        assert read.result(timeout=30) == "through the pipe\n"
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+    with pytest.raises(OSError) as e:  # named by the path asked for, not a temporary file
+        data.text.write_text_atomically(tmp_path / "real.txt" / "under_a_file.txt", "x")
+    assert e.value.filename == str(tmp_path / "real.txt" / "under_a_file.txt")
 
 
 def test_write_text_atomically_leaves_the_old_file_or_the_new_never_half(tmp_path, monkeypatch):

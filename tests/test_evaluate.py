@@ -113,19 +113,48 @@ def test_translate_keeps_one_line_per_line(workdir, tmp_path, capsys, monkeypatc
 def test_average_last_and_src_file(workdir, tmp_path, capsys):
     src = tmp_path / "src.en"
     src.write_text("A man rides a bike.\nA woman sings.\n", encoding="utf-8")
-    code, out, err = _run(
-        ["--workdir", workdir, "--src-file", src, "--average-last", "2", "--greedy", *FAST[2:]],
-        capsys,
-    )
+    hyp = tmp_path / "hyp.de"
+    argv = ["--workdir", workdir, "--src-file", src, "--greedy", *FAST[2:], "--output", hyp]
+    code, out, err = _run([*argv, "--average-last", "2"], capsys)
     assert code == 0, err
     assert "average of steps 300, 400;" in err
     assert "BLEU" not in out  # nothing to score without --ref-file
-    code, _, err = _run(
-        ["--workdir", workdir, "--src-file", src, "--checkpoint", "best", "--greedy", *FAST[2:]],
-        capsys,
-    )
+    assert len(hyp.read_text(encoding="utf-8").splitlines()) == 2
+    code, _, err = _run([*argv, "--checkpoint", "best"], capsys)
     # No step was scored, so "best" is the newest, and the header says so (it said "best").
     assert code == 0 and "step 400 (the newest: no checkpoint has a validation BLEU);" in err
+
+
+def test_src_file_with_nowhere_for_the_translations_is_an_error_before_decoding(
+    workdir, tmp_path, capsys
+):
+    src = tmp_path / "src.en"
+    src.write_text("A man rides a bike.\n", encoding="utf-8")
+    code, out, err = _run(["--workdir", workdir, "--src-file", src, *FAST], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("error: --src-file alone would translate into nothing: add --output")
+
+
+def test_ctrl_c_while_decoding_is_one_line_exit_130_and_no_output(
+    workdir, tmp_path, capsys, monkeypatch
+):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluate, "translate_ids", interrupted)
+    hyp = tmp_path / "hyp.de"
+    code, out, err = _run(["--workdir", workdir, "--split", "val", *FAST, "--output", hyp], capsys)
+    assert code == 130 and out == "" and not hyp.exists()
+    assert err.splitlines()[-1] == "interrupted; --output is written only once decoding is done"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_output_folder_that_cannot_be_written_is_an_error_before_decoding(workdir, capsys):
+    # Not even root can make a file in /proc; the error names --output, not a temporary file.
+    argv = ["--workdir", workdir, "--split", "val", *FAST, "--output", "/proc/hyp.de"]
+    code, out, err = _run(argv, capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("error: --output /proc/hyp.de: cannot write there (")
 
 
 def test_attention_plots_are_png_files(workdir, tmp_path, capsys):
