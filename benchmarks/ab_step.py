@@ -60,7 +60,8 @@ def export_revision(revision: str, into: Path, position: int) -> Path:
         check=False,
     )
     if archive.returncode:
-        raise SystemExit(f"error: git archive {revision}: {archive.stderr.decode().strip()}")
+        print(f"error: git archive {revision}: {archive.stderr.decode().strip()}", file=sys.stderr)
+        raise SystemExit(2)
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(folder, filter="data")
     return folder

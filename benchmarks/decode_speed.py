@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 
 import data  # noqa: E402
 from transformer import Transformer, TransformerConfig  # noqa: E402
+from transformer.checkpoints import CheckpointError  # noqa: E402
 from transformer.decoding import beam_search, greedy_search  # noqa: E402
 from transformer.translate import (  # noqa: E402
     decoding_batches,
@@ -56,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=str(REPO.parent / "shared" / "data" / "multi30k"),
         help="Multi30k folder (without --workdir)",
     )
-    p.add_argument("--limit", type=int, default=0, help="only the first N sentences")
+    p.add_argument("--limit", type=int, default=0, help="only the first N sentences [0: all]")
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--alpha", type=float, default=0.6)
     p.add_argument("--max-extra-len", type=int, default=50)
@@ -65,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-uncached", action="store_true", help="skip the uncached baseline")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",")]
+    for name in ("beam", "max_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.limit < 0 or args.max_extra_len < 0:
+        p.error("--limit and --max-extra-len cannot be negative")
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         p.error(f"--modes: unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")
@@ -114,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return time_modes(args)
-    except data.DataError as e:  # a missing --split, --data-dir or file: one line, no traceback
+    except (data.DataError, CheckpointError) as e:  # a missing --split, file or workdir
         print(f"error: {e}", file=sys.stderr)
         return 2
 

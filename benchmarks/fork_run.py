@@ -49,9 +49,11 @@ def fork(source: Path, destination: Path, step: int, dropout_key: int | None = N
       The checkpoint steps of the fork.
 
     Raises:
-      ValueError: no checkpoint at `step`, or `destination` exists.
+      ValueError: no workdir at `source`, no checkpoint at `step`, or `destination` exists.
     """
     source = Path(source).resolve()  # as checkpoint_dir is, so the copy can tell it
+    if not source.is_dir():
+        raise ValueError(f"workdir {source} does not exist")
     checkpoints = checkpoint_dir(source)
     steps = checkpoint_steps(source)
     if step not in steps:

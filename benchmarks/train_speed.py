@@ -132,6 +132,14 @@ def add_step_shape_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_step_shape_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exits with a usage error where a size of `add_step_shape_arguments` is below 1."""
+    for name in ("vocab_size", "rows", "src_len", "tgt_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+
+
 def step_config(preset: str, args: argparse.Namespace) -> TransformerConfig:
     """The measured step's model: a preset with --vocab-size and --matmul-dtype."""
     matmul_dtype = None if args.matmul_dtype == "float32" else args.matmul_dtype
@@ -248,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    check_step_shape_arguments(parser, args)
     keep_freed_host_memory()  # before the first computation starts XLA's threads
     if args.rows is None:  # 2048 // (16 + 16) = 64 with the defaults
         args.rows = default_rows(args.src_len, args.tgt_len)

@@ -4,7 +4,7 @@ import subprocess
 
 import pytest
 
-from benchmarks import ab_step, decode_speed, train_speed
+from benchmarks import ab_step, decode_speed, profile_step, train_speed
 
 
 def usage_error(main, argv, capsys) -> str:
@@ -57,3 +57,44 @@ def test_train_speed_rejects_a_misspelt_preset_before_timing_any(capsys):
 def test_train_speed_needs_a_timed_step(capsys):
     line = usage_error(train_speed.main, ["--presets", "tiny", "--steps", "0"], capsys)
     assert line.endswith("error: --steps must be at least 1")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--beam", "0"], "error: --beam must be at least 1"),
+        (["--max-tokens", "0"], "error: --max-tokens must be at least 1"),
+        (["--limit", "-3"], "error: --limit and --max-extra-len cannot be negative"),
+    ],
+)
+def test_decode_speed_rejects_sizes_it_cannot_decode_with(capsys, argv, message):
+    assert usage_error(decode_speed.main, argv, capsys).endswith(message)
+
+
+def test_decode_speed_names_a_missing_workdir_in_one_line(tmp_path, capsys):
+    assert decode_speed.main(["--workdir", str(tmp_path / "nope")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"error: workdir {tmp_path / 'nope'} does not exist")
+
+
+@pytest.mark.parametrize("main", [train_speed.main, profile_step.main])
+def test_step_benchmarks_need_a_row_and_a_position(capsys, main):
+    assert usage_error(main, ["--rows", "0"], capsys).endswith("error: --rows must be at least 1")
+    assert usage_error(main, ["--tgt-len", "0"], capsys).endswith(
+        "error: --tgt-len must be at least 1"
+    )
+
+
+def test_profile_step_rejects_a_misspelt_preset(capsys):
+    line = usage_error(profile_step.main, ["--preset", "nosuch"], capsys)
+    assert "error: --preset: unknown preset 'nosuch'; choose from " in line
+
+
+@pytest.mark.skipif(not in_git_checkout(), reason="needs the git checkout's history")
+def test_ab_step_names_a_revision_git_does_not_know_and_exits_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        ab_step.export_revision("nosuchrev", tmp_path, 0)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: git archive nosuchrev: ") and err.count("\n") == 1

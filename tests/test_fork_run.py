@@ -85,6 +85,8 @@ def test_fork_errors_are_one_line(tmp_path, capsys):
     assert not (tmp_path / "fork").exists()
     assert fork_main([str(tmp_path / "run"), str(tmp_path / "run"), "--step", "4"]) == 2
     assert "exists" in capsys.readouterr().err
+    assert fork_main([str(tmp_path / "nope"), str(tmp_path / "fork"), "--step", "4"]) == 2
+    assert capsys.readouterr().err == f"error: workdir {tmp_path / 'nope'} does not exist\n"
 
 
 def test_soup_refuses_workdirs_it_cannot_average_in_one_line(tmp_path, capsys, monkeypatch):
