@@ -309,6 +309,18 @@ def _check_output_places(args: argparse.Namespace) -> None:
         _check_can_create("--plot-dir", args.plot_dir, Path(args.plot_dir))
 
 
+def _warn_of_long_sources(src_ids: list[list[int]], max_len: int) -> None:
+    """Warns where sources are longer than the model's max_len: they are decoded whole."""
+    longer = [len(ids) for ids in src_ids if len(ids) > max_len]
+    if longer:
+        print(
+            f"warning: source lines longer than the model's max_len of {max_len} tokens: "
+            f"{len(longer)} (the longest {max(longer)} tokens); they are translated whole, "
+            "in memory that grows with the square of their length",
+            file=sys.stderr,
+        )
+
+
 def _load_run(args: argparse.Namespace) -> Run:
     """Loads --checkpoint, or the average of the last --average-last K checkpoints.
 
@@ -359,6 +371,7 @@ def _evaluate(args: argparse.Namespace, load: Callable[[argparse.Namespace], Run
         tok = run.tokenizer
         start = time.perf_counter()
         src_ids = encode_sources(tok, sources)
+        _warn_of_long_sources(src_ids, run.model.config.max_len)
         hyp_ids = translate_ids(
             run.model,
             run.params,

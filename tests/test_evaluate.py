@@ -135,6 +135,19 @@ def test_src_file_with_nowhere_for_the_translations_is_an_error_before_decoding(
     assert err.startswith("error: --src-file alone would translate into nothing: add --output")
 
 
+def test_sources_longer_than_max_len_are_translated_whole_with_a_warning(workdir, tmp_path, capsys):
+    src = tmp_path / "src.en"
+    src.write_text("A man rides a bike.\n" + "A man " * 60 + "\n", encoding="utf-8")
+    hyp = tmp_path / "hyp.de"
+    argv = ["--workdir", workdir, "--src-file", src, "--greedy", *FAST[2:], "--output", hyp]
+    code, _, err = _run(argv, capsys)
+    assert code == 0 and len(hyp.read_text(encoding="utf-8").splitlines()) == 2
+    [warning] = [line for line in err.splitlines() if line.startswith("warning: ")]
+    assert warning.startswith(
+        "warning: source lines longer than the model's max_len of 64 tokens: 1 ("
+    )
+
+
 def test_ctrl_c_while_decoding_is_one_line_exit_130_and_no_output(
     workdir, tmp_path, capsys, monkeypatch
 ):
