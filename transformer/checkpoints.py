@@ -127,10 +127,10 @@ def _drop_stray_read_errors() -> None:
     """From now on, drops the tracebacks of the reads a failed restore left running.
 
     They come dozens to a damaged checkpoint, at any time after the restore failed
-    (some before the failure reaches the caller, so this is called before each
-    read), and say nothing more than the one-line error or warning that reports
-    the damage. Every other unraisable exception still goes to the hook that was
-    there before.
+    (some before the failure reaches the caller, so `Checkpoints._read` calls this
+    before every read), and say nothing more than the one-line error or warning
+    that reports the damage. Every other unraisable exception still goes to the
+    hook that was there before.
     """
     global _stray_reads_dropped
     with _stray_reads_lock:
@@ -500,9 +500,14 @@ class Checkpoints:
             opt_state=ocp.args.StandardRestore(opt_state_like),
             meta=ocp.args.JsonRestore(),
         )
-        with _quiet_orbax():
-            restored = self._manager.restore(step, args=args)
+        restored = self._read(step, args)
         return TrainCheckpoint(step, restored["params"], restored["opt_state"], restored["meta"])
+
+    def _read(self, step: int, args: Any) -> Any:
+        """Orbax's restore of `step`, with the late reads of a failed one silenced first."""
+        _drop_stray_read_errors()
+        with _quiet_orbax():
+            return self._manager.restore(step, args=args)
 
     def restore_latest(self, params_like: PyTree, opt_state_like: PyTree) -> TrainCheckpoint | None:
         """Restores the newest readable checkpoint, skipping (and reporting) damaged ones.
@@ -525,7 +530,6 @@ class Checkpoints:
         """
         steps = self.steps()
         damaged: list[_Unreadable] = []
-        _drop_stray_read_errors()
         for step in reversed(steps):
             try:
                 restored = self.restore(step, params_like, opt_state_like)
@@ -578,8 +582,7 @@ class Checkpoints:
     def restore_params(self, step: int) -> PyTree:
         """Restores only the parameters of `step` (host numpy, float32)."""
         args = ocp.args.Composite(params=ocp.args.StandardRestore())
-        with _quiet_orbax():
-            return self._manager.restore(step, args=args)["params"]
+        return self._read(step, args)["params"]
 
     def wait(self) -> None:
         """Blocks until a background save has finished."""
@@ -670,7 +673,6 @@ class _Unreadable(CheckpointError):
 
 def _read_params(ckpts: Checkpoints, step: int) -> PyTree:
     """The float32 host parameters of one step, or `_Unreadable`."""
-    _drop_stray_read_errors()
     try:
         params = ckpts.restore_params(step)
     except Exception as e:  # noqa: BLE001 - any read failure means "damaged"
