@@ -266,27 +266,16 @@ def plot_curve(workdir: str, path: str) -> int:
 
 
 def _check_can_create(flag: str, name: str, directory: Path) -> None:
-    """Fails where `directory` can be neither found nor made: a file stands on its path."""
+    """Fails where files cannot be made in `directory`: a file stands on its path, or it
+    (or, where it is still to be made, the nearest folder above it) cannot be written."""
     first = next(p for p in (directory, *directory.parents) if p.exists())
     if not first.is_dir():
         raise UsageError(f"{flag} {name}: {first} is not a directory")
-
-
-def _check_can_write(flag: str, name: str) -> None:
-    """Fails where the file `name` could not be written (its folder is read-only, say)."""
-    path = Path(name)
-    if path.exists() and not path.is_file():  # a device or a pipe: written to directly
-        if not os.access(path, os.W_OK):
-            raise UsageError(f"{flag} {name}: not writable")
-        return
-    folder = Path(os.path.realpath(path)).parent
     try:
-        if folder.is_dir():
-            tempfile.TemporaryFile(dir=folder).close()
-        else:  # made when the output is written: its nearest existing folder must allow it
-            first = next(p for p in folder.parents if p.exists())
-            if not os.access(first, os.W_OK | os.X_OK):
-                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        if first == directory:
+            tempfile.TemporaryFile(dir=directory).close()
+        elif not os.access(first, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
     except OSError as e:
         raise UsageError(f"{flag} {name}: cannot write there ({e.strerror})") from None
 
@@ -294,17 +283,22 @@ def _check_can_write(flag: str, name: str) -> None:
 def _check_output_places(args: argparse.Namespace) -> None:
     """Fails before decoding, not after, where --output or --plot-dir cannot be written."""
     if args.output:
-        if Path(args.output).is_dir():
+        output = Path(args.output)
+        if output.is_dir():
             raise UsageError(f"--output {args.output} is a directory; name a file")
         for flag in ("input", "src_file", "ref_file"):
             given = getattr(args, flag)
-            if given and Path(given).resolve() == Path(args.output).resolve():
+            if given and Path(given).resolve() == output.resolve():
                 raise UsageError(
                     f"--output {args.output} is the --{flag.replace('_', '-')} file; "
                     "name another file, or it would be overwritten"
                 )
-        _check_can_create("--output", args.output, Path(args.output).parent)
-        _check_can_write("--output", args.output)
+        if output.exists() and not output.is_file():  # a device or a pipe: written to directly
+            if not os.access(output, os.W_OK):
+                raise UsageError(f"--output {args.output}: not writable")
+        else:  # a link is written through, to its file's folder
+            target = Path(os.path.realpath(output)) if output.is_symlink() else output
+            _check_can_create("--output", args.output, target.parent)
     if args.plot_attention:
         _check_can_create("--plot-dir", args.plot_dir, Path(args.plot_dir))
 
