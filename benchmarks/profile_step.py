@@ -32,13 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.train_speed import (  # noqa: E402
     add_step_shape_arguments,
+    check_preset_names,
     check_step_shape_arguments,
     default_rows,
     make_step_inputs,
     step_config,
 )
 from train import DEFAULT_PRESET  # noqa: E402
-from transformer import TransformerConfig  # noqa: E402
 from transformer.host_memory import keep_freed_host_memory  # noqa: E402
 
 _MATMUL_MARKERS = ("dot", "matmul", "gemm", "convolution")
@@ -172,11 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     check_step_shape_arguments(parser, args)
-    if args.preset is not None and args.preset not in TransformerConfig.preset_names():
-        parser.error(
-            f"--preset: unknown preset {args.preset!r}; "
-            f"choose from {', '.join(TransformerConfig.preset_names())}"
-        )
+    if args.preset is not None:
+        check_preset_names(parser, "--preset", [args.preset])
     keep_freed_host_memory()  # before the first computation starts XLA's threads
     preset = args.preset or DEFAULT_PRESET
     rows = args.rows or default_rows(args.src_len, args.tgt_len)

@@ -140,6 +140,16 @@ def check_step_shape_arguments(parser: argparse.ArgumentParser, args: argparse.N
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
 
 
+def check_preset_names(parser: argparse.ArgumentParser, flag: str, names: list[str]) -> None:
+    """Exits with a usage error naming the first of `names` that is no preset."""
+    unknown = [name for name in names if name not in TransformerConfig.preset_names()]
+    if unknown:
+        parser.error(
+            f"{flag}: unknown preset {unknown[0]!r}; "
+            f"choose from {', '.join(TransformerConfig.preset_names())}"
+        )
+
+
 def step_config(preset: str, args: argparse.Namespace) -> TransformerConfig:
     """The measured step's model: a preset with --vocab-size and --matmul-dtype."""
     matmul_dtype = None if args.matmul_dtype == "float32" else args.matmul_dtype
@@ -248,12 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     presets = args.presets.split(",")
     # Checked before anything is timed, not when a misspelt preset's turn comes.
-    unknown = [name for name in presets if name not in TransformerConfig.preset_names()]
-    if unknown:
-        parser.error(
-            f"--presets: unknown preset {unknown[0]!r}; "
-            f"choose from {', '.join(TransformerConfig.preset_names())}"
-        )
+    check_preset_names(parser, "--presets", presets)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     check_step_shape_arguments(parser, args)
