@@ -39,7 +39,7 @@ import numpy as np
 from sacrebleu.metrics import BLEU, CHRF
 
 from data import CorpusSpec, DataError, decode_lines, load_corpus, read_aligned_lines, read_lines
-from data.text import write_text_atomically
+from data.text import is_written_in_place, write_text_atomically
 from transformer.checkpoints import CONFIG_FILE, CheckpointError, checkpoint_steps, load_run_config
 from transformer.compilation_cache import persistent_compilation_cache
 from transformer.translate import Run, detokenize, encode_sources, load_run, translate_ids
@@ -293,7 +293,7 @@ def _check_output_places(args: argparse.Namespace) -> None:
                     f"--output {args.output} is the --{flag.replace('_', '-')} file; "
                     "name another file, or it would be overwritten"
                 )
-        if output.exists() and not output.is_file():  # a device or a pipe: written to directly
+        if is_written_in_place(output):
             if not os.access(output, os.W_OK):
                 raise UsageError(f"--output {args.output}: not writable")
         else:  # a link is written through, to its file's folder

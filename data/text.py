@@ -145,6 +145,13 @@ def decode_lines(raw: bytes, name: str) -> list[str]:
     return [line[:-1] if line.endswith("\r") else line for line in lines]
 
 
+def is_written_in_place(path: str | os.PathLike) -> bool:
+    """Whether `write_text_atomically` writes straight into `path`: something that is
+    there and is not a regular file (a device such as /dev/stdout, a pipe, or a link to one)."""
+    path = Path(path)
+    return path.exists() and not path.is_file()
+
+
 def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     """Writes UTF-8 `text` to `path` (parent folders made) through a temporary file
     beside it, so that an interrupted write leaves the old file or none, never half.
@@ -158,7 +165,7 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
         temporary file's.
     """
     path = Path(path)
-    if path.exists() and not path.is_file():  # a device or a pipe (or a link to one)
+    if is_written_in_place(path):
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
         return
