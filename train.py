@@ -507,6 +507,36 @@ def load_training_data(
     return TrainingData(tokenizer, batcher, validation, summary)
 
 
+def compiles_side_by_side() -> bool:
+    """Whether the step programs are compiled side by side before the first step: on a GPU
+    or TPU, where that took 74.1 s against 264.5 s one by one (an H100, README). On the CPU
+    each program is compiled as its shape first comes, since XLA:CPU keeps the cores busy
+    compiling one program and the pool gained nothing on 2 cores (benchmarks/EXPERIMENTS.md).
+    """
+    import jax
+
+    return jax.default_backend() != "cpu"
+
+
+def compile_step_programs(trainer, loaded: TrainingData, log) -> None:
+    """Compiles the train step for every batch shape, and the eval step for every
+    validation one, side by side before the first step (not one by one as shapes come)."""
+    from transformer.compilation_cache import available_cores
+    from transformer.training import batch_layout
+
+    cfg = trainer.config
+    validating = loaded.validation is not None and (cfg.eval_every or cfg.bleu_every)
+    evals = {batch_layout(b) for b in loaded.validation.batches()} if validating else set()
+    train = loaded.batcher.array_shapes()
+    log(
+        f"compiling: {len(train)} train-step and {len(evals)} validation-loss programs, "
+        f"up to {available_cores()} at a time"
+    )
+    began = time.time()
+    count = trainer.compile_steps(train, evals)
+    log(f"compiled: {count} programs in {time.time() - began:.1f} s")
+
+
 def install_stop_handlers(stop: threading.Event, log) -> dict[int, Any]:
     """SIGINT/SIGTERM set `stop` (the loop then saves and exits); a second SIGINT aborts."""
 
@@ -610,6 +640,8 @@ def run(args: argparse.Namespace) -> int:
                 )
         if start >= total_steps:
             log(f"already at step {start} of {total_steps}; pass a larger --steps to go on")
+        elif compiles_side_by_side():
+            compile_step_programs(trainer, loaded, log)
         trainer.open_metrics()
         batches = prefetch(loaded.batcher, size=2)
         result = trainer.run(

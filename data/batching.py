@@ -526,6 +526,18 @@ class TokenBatcher:
 
     # --- Statistics. ---
 
+    def array_shapes(self) -> list[tuple[tuple[int, int, int], ...]]:
+        """Per bucket, the shapes of this host's src, tgt_in and tgt_out arrays.
+
+        These are what a batch of that bucket holds (``[D, b, S], [D, b, T], [D, b, T]``),
+        so a step program can be compiled for each before the first batch comes.
+        """
+        D = self.num_devices
+        return [
+            ((D, b, S), (D, b, T), (D, b, T))
+            for b, S, T in ((r // (D * self.process_count), S, T) for r, S, T in self.shapes)
+        ]
+
     @property
     def num_shapes(self) -> int:
         """Number of distinct batch shapes (compiled train-step programs)."""

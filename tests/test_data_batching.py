@@ -265,6 +265,19 @@ def test_global_batch_is_independent_of_device_and_host_count(small, multi30k_to
             assert all(np.array_equal(want[k], got[k]) for k in want)
 
 
+def test_array_shapes_names_the_shape_of_every_batch_a_host_gets(small, multi30k_tokenizer):
+    # What train.py compiles ahead on an accelerator: a batch of a shape not listed would
+    # be compiled again when it comes.
+    from transformer.training import batch_layout
+
+    for num_devices, process_count in ((1, 1), (2, 1), (2, 2)):
+        for host in host_batchers(small, multi30k_tokenizer, num_devices, process_count):
+            listed = host.array_shapes()
+            assert len(listed) == host.num_shapes == len(set(listed))
+            seen = {batch_layout(next(host)) for _ in range(3 * host.batches_per_epoch)}
+            assert seen == set(listed)
+
+
 # --- prefetch ---
 
 

@@ -93,6 +93,27 @@ def test_without_a_progress_bar_each_log_step_prints_its_loss(slice_dir, tmp_pat
         assert f"loss {record['loss']:.3f}, lr {record['lr']:.2e}, " in line
 
 
+def test_step_programs_compiled_side_by_side_train_exactly_as_one_by_one(
+    straight_run, slice_dir, tmp_path, monkeypatch, capsys
+):
+    # On a GPU or TPU train.py compiles every step program before the first step; here on
+    # the CPU it does not, so the accelerator path is forced and must not change a number.
+    assert not train.compiles_side_by_side()
+    monkeypatch.setattr(train, "compiles_side_by_side", lambda: True)
+    extra = ["--steps", "16", "--eval-every", "8", "--bleu-every", "16"]
+    assert train.main(_flags(slice_dir, tmp_path, *extra, "--bleu-max-sentences", "8")) == 0
+    out = capsys.readouterr().out
+    assert "compiling: 1 train-step and " in out and "compiled: " in out
+    ahead, _ = restore_params(tmp_path, "last")
+    straight, _ = restore_params(straight_run, "last")
+    _params_equal(ahead, straight)
+    records = [{k: v for k, v in r.items() if k not in ("elapsed_s", "tokens_per_s")}
+               for r in read_metrics(tmp_path)]  # fmt: skip
+    expected = [{k: v for k, v in r.items() if k not in ("elapsed_s", "tokens_per_s")}
+                for r in read_metrics(straight_run)]  # fmt: skip
+    assert records == expected and any("val_loss" in r for r in records)
+
+
 def test_stop_and_resume_gives_exactly_the_uninterrupted_parameters(
     straight_run, slice_dir, tmp_path, capsys
 ):

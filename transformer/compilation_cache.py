@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -98,3 +99,36 @@ def persistent_compilation_cache(
 
 def _print_to_stderr(message: str) -> None:
     print(message, file=sys.stderr)
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (fewer than the machine's in a container)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def compile_side_by_side(
+    lowered: Sequence[jax.stages.Lowered], threads: int | None = None
+) -> list[jax.stages.Compiled]:
+    """Compiles programs in parallel threads, one program per thread at a time.
+
+    XLA lets go of Python's lock while it compiles, so on a machine with cores to spare the
+    programs of a run's batch shapes, compiled side by side, are ready sooner than one after
+    another: on a lent H100 with 16 cores, the 12 train-step programs of a default run took
+    74.1 s side by side against 264.5 s one by one (README, "On a GPU"). On a 2-core CPU it
+    gains nothing: XLA:CPU already spreads one compilation over both cores. A program in
+    the persistent cache is loaded instead.
+
+    Args:
+      lowered: the programs, from `jax.jit(f).lower(...)` or `jax.pmap(f).lower(...)`.
+      threads: most programs compiled at once; default: `available_cores()`.
+
+    Returns:
+      The compiled programs, in the order of `lowered`.
+    """
+    if not lowered:
+        return []
+    threads = max(1, min(threads or available_cores(), len(lowered)))
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(lambda program: program.compile(), lowered))

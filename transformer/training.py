@@ -45,6 +45,15 @@ from transformer.model import Transformer
 
 PyTree = Any
 Batch = dict[str, np.ndarray]
+# A batch's arrays, and a batch layout: their shapes in this order, which pick its program.
+BATCH_KEYS = ("src", "tgt_in", "tgt_out")
+Layout = tuple[tuple[int, ...], ...]
+
+
+def batch_layout(batch: Batch) -> Layout:
+    """The shapes of a batch's src, tgt_in and tgt_out: one compiled step program each."""
+    return tuple(tuple(batch[name].shape) for name in BATCH_KEYS)
+
 
 # Name of the pmapped device axis.
 AXIS = "devices"
@@ -745,6 +754,9 @@ class Trainer:
         )
         self.state: TrainState | None = None  # replicated
         self._metrics: MetricsLog | None = None
+        # Compiled step programs by batch layout, from `compile_steps`.
+        self._train_programs: dict[Layout, Callable[..., Any]] = {}
+        self._eval_programs: dict[Layout, Callable[..., Any]] = {}
         self.step = 0
         self.data_state: dict[str, Any] | None = None
 
@@ -782,6 +794,53 @@ class Trainer:
         self.step = int(host_state.step)
         return self.step
 
+    def compile_steps(
+        self,
+        train_layouts: Iterable[Layout],
+        eval_layouts: Iterable[Layout] = (),
+        *,
+        threads: int | None = None,
+    ) -> int:
+        """Compiles the train step for each training batch layout and the eval step for each
+        validation one, side by side (`compile_side_by_side`), before the first step.
+
+        Without this each program is compiled when a batch of its shape first comes, one
+        after another; the steps run the same either way, to the bit.
+
+        Args:
+          train_layouts: per training batch shape, `batch_layout(batch)`: the shapes of
+            src, tgt_in and tgt_out, each [D, b, L].
+          eval_layouts: the same for the validation loss batches.
+          threads: most programs compiled at once; default: the cores this process may use.
+
+        Returns:
+          The number of programs compiled (or loaded from the persistent cache).
+        """
+        from transformer.compilation_cache import compile_side_by_side
+
+        def example(layout: Layout) -> Batch:
+            return {
+                name: jax.ShapeDtypeStruct(shape, jnp.int32)
+                for name, shape in zip(BATCH_KEYS, layout, strict=True)
+            }
+
+        train = [
+            t for t in dict.fromkeys(map(tuple, train_layouts)) if t not in self._train_programs
+        ]
+        evals = [e for e in dict.fromkeys(map(tuple, eval_layouts)) if e not in self._eval_programs]
+        lowered = [self.train_step.lower(self.state, example(t)) for t in train]
+        lowered += [self.eval_step.lower(self.state.params, example(e)) for e in evals]
+        programs = compile_side_by_side(lowered, threads)
+        self._train_programs.update(zip(train, programs[: len(train)], strict=True))
+        self._eval_programs.update(zip(evals, programs[len(train) :], strict=True))
+        return len(programs)
+
+    def _train(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        return self._train_programs.get(batch_layout(batch), self.train_step)(state, batch)
+
+    def _eval(self, params: PyTree, batch: Batch) -> dict[str, jax.Array]:
+        return self._eval_programs.get(batch_layout(batch), self.eval_step)(params, batch)
+
     def save(self, *, val_bleu: float | None = None) -> None:
         """Checkpoints the current state (no-op if this step is already saved)."""
         host = unreplicate(self.state)
@@ -796,7 +855,7 @@ class Trainer:
 
     def validate(self, validation: ValidationData, *, bleu: bool) -> dict[str, float]:
         """Validation loss (and BLEU if asked) of the current parameters."""
-        results = evaluate_loss(self.eval_step, self.state.params, validation.batches())
+        results = evaluate_loss(self._eval, self.state.params, validation.batches())
         if bleu and validation.sources:
             count = self.config.bleu_max_sentences or len(validation.sources)  # None: all
             results["val_bleu"] = evaluate_bleu(
@@ -869,7 +928,7 @@ class Trainer:
                     batch, data_state = next(batches)
                 except StopIteration:
                     break
-                self.state, metrics = self.train_step(self.state, batch)
+                self.state, metrics = self._train(self.state, batch)
                 # Checks the previous step's loss while this step runs.
                 tracker.push(self.step + 1, metrics)
                 self.step += 1
