@@ -93,25 +93,38 @@ def test_without_a_progress_bar_each_log_step_prints_its_loss(slice_dir, tmp_pat
         assert f"loss {record['loss']:.3f}, lr {record['lr']:.2e}, " in line
 
 
-def test_step_programs_compiled_side_by_side_train_exactly_as_one_by_one(
-    straight_run, slice_dir, tmp_path, monkeypatch, capsys
-):
-    # On a GPU or TPU train.py compiles every step program before the first step; here on
-    # the CPU it does not, so the accelerator path is forced and must not change a number.
+def test_step_programs_compiled_side_by_side_train_exactly_as_one_by_one(slice_dir, tmp_path):
+    # On a GPU or TPU train.py compiles every step program before the first step; on the
+    # CPU it does not, so here that path is forced, on 2 devices with 3 batch shapes and
+    # validation, and must not change a number.
     assert not train.compiles_side_by_side()
-    monkeypatch.setattr(train, "compiles_side_by_side", lambda: True)
-    extra = ["--steps", "16", "--eval-every", "8", "--bleu-every", "16"]
-    assert train.main(_flags(slice_dir, tmp_path, *extra, "--bleu-max-sentences", "8")) == 0
-    out = capsys.readouterr().out
-    assert "compiling: 1 train-step and " in out and "compiled: " in out
-    ahead, _ = restore_params(tmp_path, "last")
-    straight, _ = restore_params(straight_run, "last")
-    _params_equal(ahead, straight)
-    records = [{k: v for k, v in r.items() if k not in ("elapsed_s", "tokens_per_s")}
-               for r in read_metrics(tmp_path)]  # fmt: skip
-    expected = [{k: v for k, v in r.items() if k not in ("elapsed_s", "tokens_per_s")}
-                for r in read_metrics(straight_run)]  # fmt: skip
-    assert records == expected and any("val_loss" in r for r in records)
+    force = "import sys, train; train.compiles_side_by_side = lambda: True; sys.exit(train.main())"
+    default = "import sys, train; sys.exit(train.main())"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    extra = ["--steps", "12", "--max-shapes", "3", "--eval-every", "6", "--bleu-every", "12"]
+    runs = {}
+    for name, code in (("ahead", force), ("lazy", default)):
+        flags = _flags(slice_dir, tmp_path / name, *extra, "--bleu-max-sentences", "8")
+        done = subprocess.run(
+            [sys.executable, "-c", code, *flags], env=env, capture_output=True, text=True,
+            timeout=300, cwd=ROOT,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        runs[name] = done.stdout
+    assert "compiling: 3 train-step and " in runs["ahead"] and "compiled: " in runs["ahead"]
+    assert "compiling" not in runs["lazy"] and "2 cpu device(s)" in runs["lazy"]
+    ahead, _ = restore_params(tmp_path / "ahead", "last")
+    lazy, _ = restore_params(tmp_path / "lazy", "last")
+    _params_equal(ahead, lazy)
+
+    def numbers(workdir):
+        drop = ("elapsed_s", "tokens_per_s")
+        return [{k: v for k, v in r.items() if k not in drop} for r in read_metrics(workdir)]
+
+    assert numbers(tmp_path / "ahead") == numbers(tmp_path / "lazy")
+    assert any("val_loss" in r for r in numbers(tmp_path / "lazy"))
 
 
 def test_stop_and_resume_gives_exactly_the_uninterrupted_parameters(
