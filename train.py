@@ -509,23 +509,36 @@ def load_training_data(
 
 def compiles_side_by_side() -> bool:
     """Whether the step programs are compiled side by side before the first step: on a GPU
-    or TPU, where that took 74.1 s against 264.5 s one by one (an H100, README). On the CPU
-    each program is compiled as its shape first comes, since XLA:CPU keeps the cores busy
-    compiling one program and the pool gained nothing on 2 cores (benchmarks/EXPERIMENTS.md).
+    or TPU, where the default run's 12 train-step programs took 74.1 s against 264.5 s
+    one by one (an H100 with XLA's autotuning off, README). On the CPU each program is
+    compiled as its shape first comes: XLA:CPU already keeps the cores busy compiling one
+    program, and the pool gained nothing on 2 cores (benchmarks/EXPERIMENTS.md).
     """
     import jax
 
     return jax.default_backend() != "cpu"
 
 
-def compile_step_programs(trainer, loaded: TrainingData, log) -> None:
+def validates_between(config, start: int, total_steps: int) -> bool:
+    """Whether a validation (loss, or loss and BLEU) is due at a step in (start, total]."""
+    return any(
+        every > 0 and total_steps // every > start // every
+        for every in (config.eval_every, config.bleu_every)
+    )
+
+
+def compile_step_programs(
+    trainer, loaded: TrainingData, log, *, start: int, total_steps: int, stop: threading.Event
+) -> None:
     """Compiles the train step for every batch shape, and the eval step for every
-    validation one, side by side before the first step (not one by one as shapes come)."""
+    validation one if a validation is due, side by side before the first step (not one by
+    one as shapes come). A stop request ends it without waiting for the rest."""
     from transformer.compilation_cache import available_cores
     from transformer.training import batch_layout
 
-    cfg = trainer.config
-    validating = loaded.validation is not None and (cfg.eval_every or cfg.bleu_every)
+    validating = loaded.validation is not None and validates_between(
+        trainer.config, start, total_steps
+    )
     evals = {batch_layout(b) for b in loaded.validation.batches()} if validating else set()
     train = loaded.batcher.array_shapes()
     log(
@@ -533,8 +546,11 @@ def compile_step_programs(trainer, loaded: TrainingData, log) -> None:
         f"up to {available_cores()} at a time"
     )
     began = time.time()
-    count = trainer.compile_steps(train, evals)
-    log(f"compiled: {count} programs in {time.time() - began:.1f} s")
+    count = trainer.compile_steps(train, evals, stop=stop)
+    if stop.is_set():
+        log(f"compiling stopped: {count} of {len(train) + len(evals)} programs compiled")
+    else:
+        log(f"compiled: {count} programs in {time.time() - began:.1f} s")
 
 
 def install_stop_handlers(stop: threading.Event, log) -> dict[int, Any]:
@@ -638,11 +654,13 @@ def run(args: argparse.Namespace) -> int:
                     f"warning: resuming with other software than before ({'; '.join(changes)}); "
                     "training goes on, but will not repeat an uninterrupted run to the last digit"
                 )
+        trainer.open_metrics()  # its clock counts compiling, whichever way it is done
         if start >= total_steps:
             log(f"already at step {start} of {total_steps}; pass a larger --steps to go on")
         elif compiles_side_by_side():
-            compile_step_programs(trainer, loaded, log)
-        trainer.open_metrics()
+            compile_step_programs(
+                trainer, loaded, log, start=start, total_steps=total_steps, stop=stop
+            )
         batches = prefetch(loaded.batcher, size=2)
         result = trainer.run(
             with_data_state(batches), total_steps, loaded.validation, stop_event=stop

@@ -6,6 +6,7 @@ train step (same tiny model, same recipe, one batch shape); the SIGTERM,
 --help and bad-flag tests run train.py as a subprocess.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -125,6 +126,58 @@ def test_step_programs_compiled_side_by_side_train_exactly_as_one_by_one(slice_d
 
     assert numbers(tmp_path / "ahead") == numbers(tmp_path / "lazy")
     assert any("val_loss" in r for r in numbers(tmp_path / "lazy"))
+    # The run's clock counts the compiling, as it does when each program comes with its step.
+    seconds = float(runs["ahead"].split("compiled: ")[1].split(" programs in ")[1].split(" s")[0])
+    assert read_metrics(tmp_path / "ahead")[0]["elapsed_s"] >= seconds
+
+
+def test_validation_programs_are_compiled_ahead_only_when_a_validation_is_due():
+    config = training.TrainConfig(steps=10**6, eval_every=1000, bleu_every=5000)
+    assert not train.validates_between(config, 0, 999)
+    assert train.validates_between(config, 0, 1000)
+    assert not train.validates_between(config, 1000, 1999)  # resumed after the one at 1000
+    assert train.validates_between(dataclasses.replace(config, eval_every=0), 4000, 5000)
+    assert not train.validates_between(
+        dataclasses.replace(config, eval_every=0, bleu_every=0), 0, 10**6
+    )
+
+
+def test_sigterm_while_compiling_ahead_saves_and_exits_without_waiting_for_every_program(
+    slice_dir, tmp_path
+):
+    code = "import sys, train; train.compiles_side_by_side = lambda: True; sys.exit(train.main())"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    args = _flags(
+        slice_dir, tmp_path, "--steps", "1000", "--max-shapes", "8", "--eval-every", "500"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, *args], env=env, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        lines = []
+        for line in process.stdout:  # up to the start of the compiling
+            lines.append(line)
+            if line.startswith("compiling: "):
+                break
+        assert lines and lines[-1].startswith("compiling: "), "".join(lines)
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        out, err = process.communicate(timeout=120)
+        seconds = time.monotonic() - signalled
+    finally:
+        if process.poll() is None:
+            process.kill()
+    out = "".join(lines) + out
+    assert process.returncode == 0, err
+    assert "compiling stopped: " in out and "interrupted at step 0" in out
+    assert checkpoint_steps(tmp_path) == [0]
+    # The 8 train-step and some validation programs, 2 at a time, would take longer.
+    compiled, total = map(
+        int, out.split("compiling stopped: ")[1].split(" programs")[0].split(" of ")
+    )
+    assert compiled < total and seconds < 60
 
 
 def test_stop_and_resume_gives_exactly_the_uninterrupted_parameters(

@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import jax
@@ -102,33 +103,53 @@ def _print_to_stderr(message: str) -> None:
 
 
 def available_cores() -> int:
-    """The CPU cores this process may run on (fewer than the machine's in a container)."""
+    """The CPU cores this process may be scheduled on: its CPU affinity, which a container's
+    cpuset narrows. A CPU quota (`docker --cpus`, a Kubernetes limit) does not show here."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
 
 
 def compile_side_by_side(
-    lowered: Sequence[jax.stages.Lowered], threads: int | None = None
-) -> list[jax.stages.Compiled]:
+    lowered: Sequence[jax.stages.Lowered],
+    threads: int | None = None,
+    *,
+    stop: threading.Event | None = None,
+) -> list[jax.stages.Compiled | None]:
     """Compiles programs in parallel threads, one program per thread at a time.
 
     XLA lets go of Python's lock while it compiles, so on a machine with cores to spare the
     programs of a run's batch shapes, compiled side by side, are ready sooner than one after
-    another: on a lent H100 with 16 cores, the 12 train-step programs of a default run took
-    74.1 s side by side against 264.5 s one by one (README, "On a GPU"). On a 2-core CPU it
-    gains nothing: XLA:CPU already spreads one compilation over both cores. A program in
-    the persistent cache is loaded instead.
+    another: on a lent H100 with 16 cores, with XLA's autotuning off, the 12 train-step
+    programs of a default run took 74.1 s side by side against 264.5 s one by one (README,
+    "On a GPU"). On a 2-core CPU it gains nothing: XLA:CPU already spreads one compilation
+    over both cores. A program in the persistent cache is loaded instead.
 
     Args:
       lowered: the programs, from `jax.jit(f).lower(...)` or `jax.pmap(f).lower(...)`.
       threads: most programs compiled at once; default: `available_cores()`.
+      stop: once set, no further program is started and this returns at once; the
+        compilations under way finish in their threads and are thrown away.
 
     Returns:
-      The compiled programs, in the order of `lowered`.
+      The compiled programs, in the order of `lowered`; None for each one not compiled
+      because `stop` was set.
+
+    Raises:
+      Whatever a compilation raised, as soon as it does (the programs not started are
+      cancelled).
     """
     if not lowered:
         return []
     threads = max(1, min(threads or available_cores(), len(lowered)))
-    with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(lambda program: program.compile(), lowered))
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="compile")
+    futures = [pool.submit(program.compile) for program in lowered]
+    try:
+        pending = set(futures)
+        while pending and not (stop is not None and stop.is_set()):
+            done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+            for future in done:
+                future.result()  # a compilation's error, at once
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return [f.result() if f.done() and not f.cancelled() else None for f in futures]

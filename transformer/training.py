@@ -800,18 +800,24 @@ class Trainer:
         eval_layouts: Iterable[Layout] = (),
         *,
         threads: int | None = None,
+        stop: threading.Event | None = None,
     ) -> int:
         """Compiles the train step for each training batch layout and the eval step for each
         validation one, side by side (`compile_side_by_side`), before the first step.
 
         Without this each program is compiled when a batch of its shape first comes, one
-        after another; the steps run the same either way, to the bit.
+        after another. Either way the steps run the same programs: on the CPU the two ways
+        train to the same parameters, to the bit (tested); on a GPU the loss at step 50
+        agreed to 5 decimals (one H100 run each, README).
 
         Args:
           train_layouts: per training batch shape, `batch_layout(batch)`: the shapes of
             src, tgt_in and tgt_out, each [D, b, L].
           eval_layouts: the same for the validation loss batches.
           threads: most programs compiled at once; default: the cores this process may use.
+          stop: once set, no further program is compiled (a stop request: the run saves
+            and exits without waiting for the rest); a shape left out is compiled when its
+            first batch comes, as without this.
 
         Returns:
           The number of programs compiled (or loaded from the persistent cache).
@@ -830,10 +836,13 @@ class Trainer:
         evals = [e for e in dict.fromkeys(map(tuple, eval_layouts)) if e not in self._eval_programs]
         lowered = [self.train_step.lower(self.state, example(t)) for t in train]
         lowered += [self.eval_step.lower(self.state.params, example(e)) for e in evals]
-        programs = compile_side_by_side(lowered, threads)
-        self._train_programs.update(zip(train, programs[: len(train)], strict=True))
-        self._eval_programs.update(zip(evals, programs[len(train) :], strict=True))
-        return len(programs)
+        programs = compile_side_by_side(lowered, threads, stop=stop)
+        for table, layouts, compiled in (
+            (self._train_programs, train, programs[: len(train)]),
+            (self._eval_programs, evals, programs[len(train) :]),
+        ):
+            table.update((k, p) for k, p in zip(layouts, compiled, strict=True) if p is not None)
+        return sum(p is not None for p in programs)
 
     def _train(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         return self._train_programs.get(batch_layout(batch), self.train_step)(state, batch)
