@@ -306,11 +306,11 @@ def check_preset(args: argparse.Namespace) -> None:
     """A --preset that names no preset is a usage error, before anything uses it."""
     from transformer import TransformerConfig
 
-    names = TransformerConfig.preset_names()
-    if args.preset is not None and args.preset not in names:
-        raise UsageError(
-            f"--preset: unknown preset {args.preset!r}; choose from {', '.join(names)}"
-        )
+    if args.preset is not None:
+        try:
+            TransformerConfig.check_preset_name(args.preset)
+        except ValueError as e:
+            raise UsageError(f"--preset: {e}") from None
 
 
 def model_config(

@@ -142,12 +142,11 @@ def check_step_shape_arguments(parser: argparse.ArgumentParser, args: argparse.N
 
 def check_preset_names(parser: argparse.ArgumentParser, flag: str, names: list[str]) -> None:
     """Exits with a usage error naming the first of `names` that is no preset."""
-    unknown = [name for name in names if name not in TransformerConfig.preset_names()]
-    if unknown:
-        parser.error(
-            f"{flag}: unknown preset {unknown[0]!r}; "
-            f"choose from {', '.join(TransformerConfig.preset_names())}"
-        )
+    for name in names:
+        try:
+            TransformerConfig.check_preset_name(name)
+        except ValueError as e:
+            parser.error(f"{flag}: {e}")
 
 
 def step_config(preset: str, args: argparse.Namespace) -> TransformerConfig:

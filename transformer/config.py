@@ -166,14 +166,20 @@ class TransformerConfig:
         Returns:
           The config.
         """
-        if name not in _PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(_PRESETS)}")
+        cls.check_preset_name(name)
         return cls(**{**_PRESETS[name], **overrides})
 
     @staticmethod
     def preset_names() -> list[str]:
         """The names `preset` accepts."""
         return sorted(_PRESETS)
+
+    @staticmethod
+    def check_preset_name(name: str) -> None:
+        """Raises ValueError, naming the presets, where `name` is not one of them."""
+        if name not in _PRESETS:
+            names = ", ".join(sorted(_PRESETS))
+            raise ValueError(f"unknown preset {name!r}; choose from {names}")
 
     def replace(self, **changes: Any) -> TransformerConfig:
         """Returns a copy with some fields changed (e.g. `dropout_rate=0.0`)."""
