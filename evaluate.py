@@ -296,9 +296,8 @@ def _check_output_places(args: argparse.Namespace) -> None:
         if is_written_in_place(output):
             if not os.access(output, os.W_OK):
                 raise UsageError(f"--output {args.output}: not writable")
-        else:  # a link is written through, to its file's folder
-            target = Path(os.path.realpath(output)) if output.is_symlink() else output
-            _check_can_create("--output", args.output, target.parent)
+        else:  # where write_text_atomically writes: a link's file, so its folder
+            _check_can_create("--output", args.output, Path(os.path.realpath(output)).parent)
     if args.plot_attention:
         _check_can_create("--plot-dir", args.plot_dir, Path(args.plot_dir))
 
