@@ -71,3 +71,51 @@ def test_edited_files_are_prepared_again(multi30k_slice, tmp_path):
     assert len(data.load_corpus(spec, "val").src) == 20
     multi30k_slice(n=25, splits=("val",))
     assert len(data.load_corpus(spec, "val").src) == 25
+
+
+def test_an_unresolvable_download_host_fails_in_seconds(tmp_path, monkeypatch):
+    # Offline, TFDS's downloader retries a host that does not resolve 10 times with
+    # backoff (3.4 min) before its error; the one-line error must come at once instead.
+    import socket
+    import time
+
+    lookups = []
+
+    def offline(host, *args, **kwargs):
+        lookups.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", offline)
+    spec = data.CorpusSpec(
+        dataset="tfds", tfds_name="wmt14_translate/de-en", tfds_data_dir=str(tmp_path / "tfds")
+    )
+    start = time.monotonic()
+    with pytest.raises(data.DataError) as e:
+        data.load_corpus(spec, "train")
+    assert time.monotonic() - start < 30
+    assert "the host www.statmt.org does not resolve (offline?)" in str(e.value)
+    assert "--dataset files" in str(e.value) and "\n" not in str(e.value)
+    assert "www.statmt.org" in lookups and socket.getaddrinfo is offline  # put back
+
+
+def test_a_host_that_resolves_on_its_retry_is_downloaded_from(monkeypatch):
+    # A passing DNS failure still gets urllib3's first retry: only a second failure of
+    # the same host stops the download.
+    import socket
+
+    from data import tfds_source
+
+    answers = iter([socket.gaierror(socket.EAI_AGAIN, "Temporary failure"), ["an address"]])
+
+    def flaky(host, *args, **kwargs):
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(socket, "getaddrinfo", flaky)
+    with tfds_source._no_retries_for_unresolved_hosts():
+        with pytest.raises(socket.gaierror):
+            socket.getaddrinfo("example.org", 80)
+        assert socket.getaddrinfo("example.org", 80) == ["an address"]
+    assert socket.getaddrinfo is flaky
