@@ -8,7 +8,7 @@ import pytest
 import data
 from transformer import Transformer, TransformerConfig
 from transformer import translate as translate_module
-from transformer.decoding import greedy_search
+from transformer.decoding import beam_search, greedy_search
 from transformer.translate import detokenize, encode_sources, translate, translate_ids
 
 MAX_EXTRA_LEN = 4
@@ -52,12 +52,13 @@ def test_no_decoded_batch_exceeds_max_tokens(setup, monkeypatch):
     # Without the fix: 100 // 32 = 3 rows of 32, padded to 4 rows (128 positions).
     assert padded.count(32) == 3 and len(src_ids[-1]) > max_tokens
     shapes = []
+    search_programs = translate_module.search_programs
 
-    def recording_search(model, params, src_BS, **kw):
-        shapes.append(src_BS.shape)
-        return greedy_search(model, params, src_BS, **kw)
+    def recording(model, params, batch_shapes, **kw):  # the shapes of the batches decoded
+        shapes.extend(batch_shapes)
+        return search_programs(model, params, batch_shapes, **kw)
 
-    monkeypatch.setattr(translate_module, "greedy_search", recording_search)
+    monkeypatch.setattr(translate_module, "search_programs", recording)
     kw = dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, max_extra_len=MAX_EXTRA_LEN)
     within = translate_ids(model, params, src_ids, greedy=True, max_tokens=max_tokens, **kw)
     assert shapes[0] == (1, padded[-1])  # longest first, alone
@@ -126,3 +127,35 @@ def test_detokenized_outputs_hold_no_line_break_of_any_kind(setup):
     assert detokenize(tokenizer, hypotheses) == ["A man  A man"] * len(breaks)
     plain = [tokenizer.encode(data.normalize(s)) for s in sentences] + [[]]
     assert detokenize(tokenizer, plain) == [tokenizer.decode(ids) for ids in plain[:-1]] + [""]
+
+
+def test_programs_compiled_side_by_side_are_the_searches_and_kept(setup, monkeypatch):
+    """Each batch shape's program is the search jax.jit would run with those options, and
+    a later call with the same model, options and shapes compiles nothing again."""
+    model, params, tokenizer, sentences = setup
+    src_ids = encode_sources(tokenizer, sentences)
+    kw = dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, max_extra_len=MAX_EXTRA_LEN)
+    compiled = []
+    compile_side_by_side = translate_module.compile_side_by_side
+
+    def counting(lowered, *args, **kwargs):
+        compiled.append(len(lowered))
+        return compile_side_by_side(lowered, *args, **kwargs)
+
+    monkeypatch.setattr(translate_module, "compile_side_by_side", counting)
+    for alpha in (0.6, 3.0):  # options are part of what a program was compiled for
+        got = translate_ids(model, params, src_ids, beam_size=3, alpha=alpha, max_tokens=60, **kw)
+        expected = []
+        for ids in src_ids:  # one sentence at a time, through jax.jit
+            tokens, _ = beam_search(
+                model, params, jnp.asarray([ids]), beam_size=3, alpha=alpha, **kw
+            )
+            row = np.asarray(tokens[0])
+            ends = np.flatnonzero(row == tokenizer.eos_id)
+            expected.append(row[: ends[0]].tolist() if len(ends) else row.tolist())
+        assert got == expected
+    assert compiled[0] > 1 and compiled[1] == compiled[0]  # several shapes, per alpha
+    again = translate_ids(model, params, src_ids, beam_size=3, alpha=0.6, max_tokens=60, **kw)
+    assert compiled[2] == 0 and again == translate_ids(
+        model, params, src_ids, beam_size=3, alpha=0.6, max_tokens=60, **kw
+    )

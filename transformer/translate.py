@@ -22,6 +22,7 @@ from tqdm import tqdm
 from data import DataError, Tokenizer, normalize
 from data.batching import inference_batches, inference_length
 from transformer import checkpoints
+from transformer.compilation_cache import compile_side_by_side
 from transformer.config import TransformerConfig
 from transformer.decoding import beam_search, greedy_search
 from transformer.model import Transformer
@@ -73,6 +74,61 @@ def decoding_batches(
             yield members[indices], src_bS
 
 
+# Compiled search programs, by what they were compiled for: see `search_programs`.
+_PROGRAMS: dict[tuple, jax.stages.Compiled] = {}
+
+
+def search_programs(
+    model: nn.Module,
+    params: Any,
+    shapes: Sequence[tuple[int, int]],
+    *,
+    greedy: bool,
+    **options: Any,
+) -> dict[tuple[int, int], Callable[[Any, np.ndarray], Any]]:
+    """The compiled search program for each source batch shape, all compiled side by side.
+
+    `jax.jit` would compile each shape's program when its first batch comes, one after
+    another; lowering them all first and compiling them in a pool of threads
+    (`compile_side_by_side`) has them ready sooner where there are cores to spare: on a
+    lent H100 the 9 beam-search programs of test2016 were all compiled 19 s after
+    `evaluate.py` started, against 44 s one by one. On a 2-core CPU it made no measurable
+    difference (benchmarks/EXPERIMENTS.md), and the translations are the same. Programs
+    are kept for later calls with the same model, options, shape and parameter shapes,
+    as `jax.jit` keeps its own (training's validations decode the same shapes each time).
+
+    Args:
+      model: the encoder-decoder module.
+      params: its parameters, on the device that decodes (`jax.device_put`).
+      shapes: source batch shapes [B, S]; repeats are compiled once.
+      greedy: `greedy_search` instead of `beam_search`.
+      **options: the search's keyword arguments (ids, max_extra_len; beam_size, alpha).
+
+    Returns:
+      shape -> a function of (params, src [B, S]) that runs the search.
+    """
+    search = greedy_search if greedy else beam_search
+    leaves, treedef = jax.tree.flatten(params)
+    signature = (
+        treedef,
+        tuple((leaf.shape, leaf.dtype, getattr(leaf, "sharding", None)) for leaf in leaves),
+        jax.config.jax_enable_x64,
+        jax.config.jax_default_matmul_precision,
+    )
+
+    def key(shape: tuple[int, int]) -> tuple:
+        return (search, model, tuple(sorted(options.items())), tuple(shape), signature)
+
+    missing = [shape for shape in dict.fromkeys(map(tuple, shapes)) if key(shape) not in _PROGRAMS]
+    lowered = [
+        search.lower(model, params, jax.ShapeDtypeStruct(shape, jnp.int32), **options)
+        for shape in missing
+    ]
+    for shape, program in zip(missing, compile_side_by_side(lowered), strict=True):
+        _PROGRAMS[key(shape)] = program
+    return {tuple(shape): _PROGRAMS[key(shape)] for shape in shapes}
+
+
 def translate_ids(
     model: nn.Module,
     params: Any,
@@ -112,19 +168,23 @@ def translate_ids(
     params = jax.device_put(params)  # once, not on every batch's call
     outputs: list[list[int]] = [[] for _ in src_ids]
     todo = [i for i, ids in enumerate(src_ids) if len(ids)]
-    search_kw = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, max_extra_len=max_extra_len)
-    batches = decoding_batches(
-        [np.asarray(src_ids[i], np.int32) for i in todo], max_tokens=max_tokens, pad_id=pad_id
+    options = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, max_extra_len=max_extra_len)
+    if not greedy:
+        options.update(beam_size=beam_size, alpha=alpha)
+    batches = [
+        (indices, pad_batch_rows(src_bS))
+        for indices, src_bS in decoding_batches(
+            [np.asarray(src_ids[i], np.int32) for i in todo], max_tokens=max_tokens, pad_id=pad_id
+        )
+    ]
+    programs = search_programs(
+        model, params, [src_BS.shape for _, src_BS in batches], greedy=greedy, **options
     )
     with tqdm(total=len(todo), desc="decoding", unit="sent", disable=not progress) as bar:
-        for indices, src_bS in batches:
-            src_BS = pad_batch_rows(src_bS)
-            if greedy:
-                tokens_BL = greedy_search(model, params, src_BS, **search_kw)
-            else:
-                tokens_BL, _ = beam_search(
-                    model, params, src_BS, beam_size=beam_size, alpha=alpha, **search_kw
-                )
+        for indices, src_BS in batches:
+            tokens_BL = programs[src_BS.shape](params, src_BS)
+            if not greedy:
+                tokens_BL, _ = tokens_BL  # beam search also gives the scores
             for i, row in zip(indices, np.asarray(tokens_BL), strict=False):
                 ends = np.flatnonzero(row == eos_id)
                 row = row[: ends[0]] if len(ends) else row
