@@ -156,6 +156,8 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("beam", "max_tokens"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.alpha < float("inf"):  # NaN fails too
+        raise UsageError(f"--alpha must be a finite number >= 0, got {args.alpha}")
     if args.max_extra_len < 0 or args.plot_attention < 0:
         raise UsageError("--max-extra-len and --plot-attention cannot be negative")
     if args.average_last is not None and args.average_last < 1:

@@ -405,12 +405,32 @@ def maybe_initialize_distributed(args: argparse.Namespace) -> None:
         or args.process_id is not None
         or os.environ.get("JAX_COORDINATOR_ADDRESS")
     )
-    if wanted:
-        jax.distributed.initialize(
-            coordinator_address=args.coordinator_address,
-            num_processes=args.num_processes,
-            process_id=args.process_id,
+    if not wanted:
+        return
+    processes, process, address = args.num_processes, args.process_id, args.coordinator_address
+    if processes is not None and processes < 1:
+        raise UsageError(f"--num-processes must be >= 1, got {processes}")
+    if process is not None and not 0 <= process < (processes or process + 1):
+        raise UsageError(f"--process-id must be in [0, --num-processes), got {process}")
+    if address is not None and not re.fullmatch(r"[^\s:]+(:[^\s:]+)*:\d+|\[[^\]]+\]:\d+", address):
+        raise UsageError(f"--coordinator-address must be HOST:PORT, got {address!r}")
+    if process:
+        print(
+            f"process {process}: waiting for the coordinator at {address or 'its address'} "
+            "(JAX gives up after 5 minutes)",
+            file=sys.stderr,
+            flush=True,
         )
+    try:
+        jax.distributed.initialize(
+            coordinator_address=address, num_processes=processes, process_id=process
+        )
+    except (ValueError, RuntimeError) as e:  # flags JAX could not complete, no coordinator
+        reason = " ".join(str(e).split())[:300]
+        raise UsageError(
+            f"cannot start the multi-host run ({reason}); give every host "
+            "--coordinator-address HOST:PORT, --num-processes N and its --process-id"
+        ) from None
 
 
 @dataclasses.dataclass
@@ -553,14 +573,20 @@ def compile_step_programs(
         log(f"compiled: {count} programs in {time.time() - began:.1f} s")
 
 
-def install_stop_handlers(stop: threading.Event, log) -> dict[int, Any]:
-    """SIGINT/SIGTERM set `stop` (the loop then saves and exits); a second SIGINT aborts."""
+class PreTrainingStop(Exception):
+    """A stop request (SIGINT/SIGTERM) that came before the training loop: nothing to save."""
+
+
+def install_stop_handlers(stop: threading.Event, log, training: threading.Event) -> dict[int, Any]:
+    """SIGINT/SIGTERM set `stop`: once `training` is set the loop then saves and exits;
+    before it, `check_stop_before_training` ends the run. A second SIGINT aborts."""
 
     def handler(signum, frame):
         if stop.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt
         stop.set()
-        log(f"{signal.Signals(signum).name}: saving a checkpoint, then stopping")
+        what = "saving a checkpoint" if training.is_set() else "before training starts"
+        log(f"{signal.Signals(signum).name}: {what}, then stopping")
 
     previous = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -568,11 +594,35 @@ def install_stop_handlers(stop: threading.Event, log) -> dict[int, Any]:
     return previous
 
 
+def check_stop_before_training(stop: threading.Event) -> None:
+    """Ends the run where a stop request came while the data or the state was loading."""
+    if stop.is_set():
+        raise PreTrainingStop(
+            "stopped before training started: nothing was trained, so nothing was saved; "
+            "run the same command to start again"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """Trains as the flags say; returns the exit status."""
     maybe_initialize_distributed(args)
-    import jax
     from tqdm.auto import tqdm
+
+    log = tqdm.write
+    # From here a stop request is seen: before training it ends the run at the next
+    # check, in training the loop saves a checkpoint and exits.
+    stop, training = threading.Event(), threading.Event()
+    previous_handlers = install_stop_handlers(stop, log, training)
+    try:
+        return _run(args, log, stop, training)
+    finally:
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
+
+
+def _run(args: argparse.Namespace, log, stop: threading.Event, training: threading.Event) -> int:
+    """`run`'s work once the stop handlers are in place."""
+    import jax
 
     import data
     from data import prefetch
@@ -584,8 +634,9 @@ def run(args: argparse.Namespace) -> int:
     )
     from transformer.training import Trainer, with_data_state
 
-    log = tqdm.write
     main_process = jax.process_index() == 0
+    if args.workdir == "":
+        raise UsageError("--workdir is empty: name a folder, or leave the flag out")
     workdir = Path(args.workdir) if args.workdir else default_workdir(args)
     if not args.workdir:
         log(f"workdir: {workdir} (the default for these data flags; --workdir to choose)")
@@ -598,6 +649,11 @@ def run(args: argparse.Namespace) -> int:
     # Contradicting data flags are an error before anything is written.
     data.CorpusSpec.from_settings(data_cfg).check()
     train_cfg = train_config(args, saved)
+    if saved is not None:  # the seed drew the checkpoint's data order and dropout keys
+        saved_seed = (saved.get("train") or {}).get("seed", train_cfg.seed)
+        check_resume_matches(
+            workdir, {"train": {"seed": saved_seed}}, "train", {"seed": train_cfg.seed}
+        )
     max_len = args.max_len or (saved["model"]["max_len"] if saved else None)
     if max_len is None:
         from transformer import TransformerConfig
@@ -613,12 +669,10 @@ def run(args: argparse.Namespace) -> int:
         loaded = load_training_data(workdir, data_cfg, max_len, train_cfg.seed, log)
     except OSError as e:  # an unwritable --workdir, an unreadable data file
         raise UsageError(f"{e.filename}: {e.strerror}" if e.filename else str(e)) from None
+    check_stop_before_training(stop)
     model_cfg = model_config(args, saved, loaded.tokenizer.vocab_size, loaded.tokenizer.pad_id)
     if saved is not None:
         check_resume_matches(workdir, saved, "model", model_cfg.to_dict())
-    if main_process:
-        sections = {"model": model_cfg.to_dict(), "data": data_cfg, "train": train_cfg.to_dict()}
-        save_run_config(workdir, {**(saved or {}), **sections})  # keeps "environments"
     for line in loaded.summary:
         log(line)
 
@@ -633,11 +687,18 @@ def run(args: argparse.Namespace) -> int:
         is_main_process=main_process,
         total_steps=total_steps,
     )
-    stop = threading.Event()
-    previous_handlers = install_stop_handlers(stop, log)
     batches = None
     try:
         start = trainer.restore_or_init(loaded.batcher)
+        check_stop_before_training(stop)
+        training.set()
+        if main_process:  # only once the checkpoint took these settings
+            sections = {
+                "model": model_cfg.to_dict(),
+                "data": data_cfg,
+                "train": train_cfg.to_dict(),
+            }
+            save_run_config(workdir, {**(saved or {}), **sections})  # keeps "environments"
         num_params = sum(x.size for x in jax.tree.leaves(trainer.params()))
         log(
             f"model: {num_params / 1e6:.2f}M parameters, d_model {model_cfg.d_model}, "
@@ -669,8 +730,6 @@ def run(args: argparse.Namespace) -> int:
         if batches is not None:
             batches.close()
         trainer.close()
-        for sig, handler in previous_handlers.items():
-            signal.signal(sig, handler)
     if result.interrupted:
         log(
             f"interrupted at step {result.step}; checkpoint saved in {result.checkpoint_dir}. "
@@ -716,6 +775,19 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # e.g. a --workdir name longer than the file system allows
+        message = f"{e.filename}: {e.strerror}" if e.filename else str(e)
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    except PreTrainingStop as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the stop handlers
+        print(
+            "error: interrupted; run the same command to resume from the last checkpoint",
+            file=sys.stderr,
+        )
+        return 130
 
 
 if __name__ == "__main__":

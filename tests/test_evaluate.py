@@ -273,6 +273,8 @@ def test_training_curve_path_errors_name_the_path(name, message, workdir, tmp_pa
             "not both",
         ),
         (["--workdir", "{workdir}", "--split", "val", "--average-last", "0"], "at least 1"),
+        (["--workdir", "{workdir}", "--split", "val", "--alpha", "nan"], "finite number >= 0"),
+        (["--workdir", "{workdir}", "--split", "val", "--alpha", "-1"], "finite number >= 0"),
     ],
     ids=[
         "missing-workdir",
@@ -284,6 +286,8 @@ def test_training_curve_path_errors_name_the_path(name, message, workdir, tmp_pa
         "avg",
         "avg-and-checkpoint",
         "avg-0",
+        "alpha-nan",
+        "alpha-negative",
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(argv, message, workdir, tmp_path, capsys):

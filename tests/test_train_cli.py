@@ -300,6 +300,34 @@ def test_resuming_with_another_model_config_is_a_one_line_error(straight_run, ca
     assert "d_model=32 there, 64 now" in err
 
 
+def test_resuming_with_another_seed_is_a_one_line_error_that_leaves_the_run_resumable(
+    straight_run, capsys
+):
+    # The seed drew the checkpoint's data order: resuming with another one cannot go on,
+    # and must not write the new seed into config.json, which the plain resume then reads.
+    config = (straight_run / "config.json").read_bytes()
+    code = train.main(["--workdir", str(straight_run), "--seed", "3", "--steps", "20"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1
+    assert "other train settings (seed=0 there, 3 now)" in err
+    assert (straight_run / "config.json").read_bytes() == config
+
+
+def test_the_run_config_is_written_only_once_the_checkpoint_is_restored(
+    straight_run, monkeypatch, capsys
+):
+    from transformer.checkpoints import CheckpointError
+
+    def fails(self, batcher=None):
+        raise CheckpointError("cannot restore (a stand-in for any failure)")
+
+    monkeypatch.setattr(training.Trainer, "restore_or_init", fails)
+    config = (straight_run / "config.json").read_bytes()
+    assert train.main(["--workdir", str(straight_run), "--steps", "20"]) == 2
+    assert "cannot restore" in capsys.readouterr().err
+    assert (straight_run / "config.json").read_bytes() == config  # still "steps": 16
+
+
 def test_non_finite_loss_exits_1_with_the_step_and_keeps_the_last_checkpoint(
     slice_dir, tmp_path, capsys, monkeypatch
 ):
@@ -399,7 +427,10 @@ def test_a_training_split_cleaning_empties_is_a_one_line_error(slice_dir, tmp_pa
         ("--dropout-rate", "0.999", "bad model settings: --dropout-rate must be in [0, 1) and"),
         ("--d-model", "130", "bad model settings: --d-model (130) must be divisible by --num-h"),
         ("--num-decoder-layers", "0", "bad model settings: --num-decoder-layers must be >= 1"),
-        ("--lr-scale", "0", "bad training settings: --lr-scale must be > 0, got 0.0"),
+        ("--lr-scale", "0", "bad training settings: --lr-scale must be > 0 and finite, got 0.0"),
+        ("--lr-scale", "nan", "bad training settings: --lr-scale must be > 0 and finite, got nan"),
+        ("--adam-eps", "inf", "bad training settings: --adam-eps must be > 0 and finite, got inf"),
+        ("--seed", "-1", "bad training settings: --seed must be in [0, 2**32), got -1"),
         ("--adam-b2", "1", "bad training settings: --adam-b2 must be in [0, 1), got 1.0"),
         ("--max-shapes", "0", "bad data settings: --max-shapes must be >= 1, got 0"),
         ("--max-tokens", "-5", "bad data settings: --max-tokens must be >= 1, got -5"),
@@ -415,6 +446,67 @@ def test_bad_setting_is_a_one_line_error_naming_the_flag_before_anything_is_writ
     assert err.startswith(f"error: {message}") and err.count("\n") == 1
     # No tokenizer was trained into the workdir, so the corrected command starts clean.
     assert not workdir.exists()
+
+
+@pytest.mark.parametrize("phase", ["load_training_data", "restore_or_init"])
+def test_a_stop_request_before_training_ends_the_run_with_one_line_and_saves_nothing(
+    slice_dir, tmp_path, monkeypatch, capsys, phase
+):
+    # Ctrl-C while the data or the state loads (tokenizing a corpus takes a while) was
+    # lost in a callback of XLA's, or came out as a raw traceback.
+    owner = train if phase == "load_training_data" else training.Trainer
+    loads = getattr(owner, phase)
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return loads(*args, **kwargs)
+
+    monkeypatch.setattr(owner, phase, interrupted)
+    workdir = tmp_path / "run"
+    assert train.main(_flags(slice_dir, workdir, "--steps", "4")) == 130
+    out, err = capsys.readouterr()
+    assert "SIGINT: before training starts, then stopping" in out + err
+    assert err.startswith("error: stopped before training started") and err.count("\n") == 1
+    assert not (workdir / "config.json").exists() and not checkpoint_steps(workdir)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-processes", "0"], "--num-processes must be >= 1, got 0"),
+        (["--num-processes", "2", "--process-id", "3"], "--process-id must be in [0, --num-p"),
+        (["--process-id", "-1"], "--process-id must be in [0, --num-processes), got -1"),
+        (["--coordinator-address", "notahostport"], "--coordinator-address must be HOST:PORT"),
+        (["--num-processes", "2", "--process-id", "0"], "cannot start the multi-host run ("),
+    ],
+    ids=["no-processes", "id-too-big", "id-negative", "no-port", "no-coordinator"],
+)
+def test_bad_multi_host_flags_are_a_one_line_error_before_anything_is_written(
+    slice_dir, tmp_path, capsys, flags, message
+):
+    workdir = tmp_path / "run"
+    assert train.main(_flags(slice_dir, workdir, *flags)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert not workdir.exists()
+
+
+@pytest.mark.parametrize(
+    "name, message", [("", "--workdir is empty"), ("x" * 300, "File name too long")]
+)
+def test_an_impossible_workdir_name_is_a_one_line_error(
+    slice_dir, tmp_path, monkeypatch, capsys, name, message
+):
+    # An empty name used to train into the default runs/ folder; a too-long one gave a
+    # traceback.
+    monkeypatch.chdir(tmp_path)
+    flags = _flags(slice_dir, "unused")
+    flags[flags.index("unused")] = str(tmp_path / name) if name else ""
+    assert train.main(flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_0(slice_dir, tmp_path):

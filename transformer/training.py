@@ -135,8 +135,10 @@ class TrainConfig:
             )
         for name in ("learning_rate_scale", "grad_clip_norm", "adam_eps"):
             value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
+            if value is not None and not (0 < value < math.inf):  # NaN fails too
+                raise ValueError(f"{name} must be > 0 and finite, got {value}")
+        if not 0 <= self.seed < 2**32:  # what NumPy's shuffling takes
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
         for name in ("adam_b1", "adam_b2", "label_smoothing"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
