@@ -234,13 +234,19 @@ def test_late_reads_are_dropped_from_before_a_read_starts(tmp_path, params, monk
         ckpts.save(2, params, _OPT, {})
     _damage(tmp_path / "checkpoints" / "2")
     filter_on_at_read = []
-    orbax_restore = ocp.CheckpointManager.restore
 
-    def restore(self, *args, **kwargs):  # Orbax's read, where the late reads start
-        filter_on_at_read.append(checkpoints._stray_reads_dropped)
-        return orbax_restore(self, *args, **kwargs)
+    def recording(read):
+        def recorded(self, *args, **kwargs):  # Orbax's reads, where the late reads start
+            filter_on_at_read.append(checkpoints._stray_reads_dropped)
+            return read(self, *args, **kwargs)
 
-    monkeypatch.setattr(ocp.CheckpointManager, "restore", restore)
+        return recorded
+
+    # The shape check's metadata read fails first where the damage is to array metadata.
+    for name in ("restore", "item_metadata"):
+        monkeypatch.setattr(
+            ocp.CheckpointManager, name, recording(getattr(ocp.CheckpointManager, name))
+        )
     for read in (
         lambda: restore_params(tmp_path, 2),
         lambda: restore_last(tmp_path, 2),

@@ -127,8 +127,8 @@ def _drop_stray_read_errors() -> None:
     """From now on, drops the tracebacks of the reads a failed restore left running.
 
     They come dozens to a damaged checkpoint, at any time after the restore failed
-    (some before the failure reaches the caller, so `Checkpoints._read` calls this
-    before every read), and say nothing more than the one-line error or warning
+    (some before the failure reaches the caller, so `Checkpoints.__init__` calls this
+    before any read), and say nothing more than the one-line error or warning
     that reports the damage. Every other unraisable exception still goes to the
     hook that was there before.
     """
@@ -377,6 +377,9 @@ class Checkpoints:
         self.directory = checkpoint_dir(workdir)
         self._log = log
         self._read_only = read_only
+        # Before any read: a damaged checkpoint can fail in `item_metadata` (the shape
+        # check) as well as in the restore, with the same late reads after it.
+        _drop_stray_read_errors()
         policy = checkpoint_managers.AnyPreservationPolicy(
             [
                 checkpoint_managers.LatestN(n=keep),
@@ -504,8 +507,8 @@ class Checkpoints:
         return TrainCheckpoint(step, restored["params"], restored["opt_state"], restored["meta"])
 
     def _read(self, step: int, args: Any) -> Any:
-        """Orbax's restore of `step`, with the late reads of a failed one silenced first."""
-        _drop_stray_read_errors()
+        """Orbax's restore of `step` (the late reads of a failed one are silenced since
+        `__init__`)."""
         with _quiet_orbax():
             return self._manager.restore(step, args=args)
 
