@@ -166,8 +166,11 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     """
     path = Path(path)
     if is_written_in_place(path):
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:  # a full device: the error names no file otherwise
+            raise OSError(e.errno, e.strerror, str(path)) from None
         return
     path = Path(os.path.realpath(path))  # a link's target, so the link stays a link
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -53,6 +53,10 @@ class Tokenizer:
 
     def __init__(self, model_bytes: bytes, path: str | os.PathLike | None = None):
         self.path = str(path) if path is not None else None
+        if not model_bytes:  # SentencePiece takes it as a model with no pieces at all
+            raise DataError(
+                f"tokenizer {path} is empty, not a SentencePiece model; delete it to retrain"
+            )
         self._sp = spm.SentencePieceProcessor(model_proto=model_bytes)
         self.fingerprint = hashlib.sha256(model_bytes).hexdigest()
         self.pad_id, self.unk_id = self._sp.pad_id(), self._sp.unk_id()

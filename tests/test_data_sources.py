@@ -246,6 +246,10 @@ def test_write_text_atomically_writes_through_links_and_into_pipes(tmp_path):
     with pytest.raises(OSError) as e:  # named by the path asked for, not a temporary file
         data.text.write_text_atomically(tmp_path / "real.txt" / "under_a_file.txt", "x")
     assert e.value.filename == str(tmp_path / "real.txt" / "under_a_file.txt")
+    if os.path.exists("/dev/full"):  # written in place; its "no space left" names it too
+        with pytest.raises(OSError) as e:
+            data.text.write_text_atomically("/dev/full", "x")
+        assert e.value.filename == "/dev/full"
 
 
 def test_write_text_atomically_leaves_the_old_file_or_the_new_never_half(tmp_path, monkeypatch):

@@ -85,3 +85,6 @@ def test_bad_settings_and_files_are_one_line_errors(small_corpus, tmp_path):
         data.Tokenizer.load(tmp_path / "junk.model")
     with pytest.raises(data.DataError, match="cannot read tokenizer"):
         data.Tokenizer.load(tmp_path / "missing.model")
+    (tmp_path / "empty.model").write_bytes(b"")  # was reported as "pad id -1, expected 0"
+    with pytest.raises(data.DataError, match="is empty, not a SentencePiece model; delete it"):
+        data.Tokenizer.load(tmp_path / "empty.model")
