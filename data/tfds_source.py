@@ -24,6 +24,7 @@ import os
 import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -137,37 +138,65 @@ def _registered_builder(tfds: Any, name: str, data_dir: str | None) -> Any:
 
 
 class _UnresolvedHost(Exception):
-    """A download host that did not resolve twice. Not an OSError, so that urllib3 does
-    not retry it (TFDS's downloader retries 10 times with backoff: 3.4 min offline)."""
+    """A download host that has not resolved for `UNRESOLVED_GIVE_UP_S`. Not an OSError,
+    so that urllib3 does not retry it (TFDS's downloader retries 10 times with backoff,
+    3.4 minutes offline)."""
 
     def __init__(self, host: str):
         super().__init__(host)
         self.host = host
 
 
+# How long a host may fail to resolve, from its first failure with no success since,
+# before a TFDS download gives up on it: with TFDS's backoff (0, 0.4, 0.8, 1.6, 3.2,
+# 6.4 s, ...) that is the lookup about 12 s in, where all 10 retries took 205 s.
+UNRESOLVED_GIVE_UP_S = 10.0
+
+_resolver_lock = threading.Lock()
+_resolver_users = 0
+_resolve = socket.getaddrinfo  # the one the wrapper calls, while it is installed
+_failing_since: dict[str, float] = {}
+
+
+def _getaddrinfo(host, *args, **kwargs):
+    """`socket.getaddrinfo`, which gives up on a host that has not resolved for a while."""
+    try:
+        addresses = _resolve(host, *args, **kwargs)
+    except socket.gaierror:
+        now = time.monotonic()
+        with _resolver_lock:
+            first = _failing_since.setdefault(str(host), now)
+        if now - first >= UNRESOLVED_GIVE_UP_S:
+            raise _UnresolvedHost(str(host)) from None
+        raise
+    with _resolver_lock:
+        _failing_since.pop(str(host), None)
+    return addresses
+
+
 @contextlib.contextmanager
 def _no_retries_for_unresolved_hosts() -> Iterator[None]:
-    """While in the block, a host name that fails to resolve a second time raises
-    :class:`_UnresolvedHost` at once. The first failure goes through, so a passing DNS
-    hiccup still gets urllib3's immediate first retry; an offline machine fails in
-    seconds instead of after TFDS's whole backoff."""
-    resolve, failed, lock = socket.getaddrinfo, set(), threading.Lock()
+    """While in the block, a host name that has failed to resolve for
+    `UNRESOLVED_GIVE_UP_S` with no success between raises :class:`_UnresolvedHost`, which
+    urllib3 does not retry: an offline machine fails in about 12 s instead of after
+    TFDS's whole backoff, and a DNS outage shorter than that is still ridden out.
 
-    def getaddrinfo(host, *args, **kwargs):
-        try:
-            return resolve(host, *args, **kwargs)
-        except socket.gaierror:
-            with lock:
-                if host in failed:
-                    raise _UnresolvedHost(str(host)) from None
-                failed.add(host)
-            raise
-
-    socket.getaddrinfo = getaddrinfo
+    `socket.getaddrinfo` is replaced for the whole process meanwhile; blocks may overlap
+    (other threads), and the last to leave puts the original back.
+    """
+    global _resolver_users, _resolve
+    with _resolver_lock:
+        if _resolver_users == 0:
+            _resolve, socket.getaddrinfo = socket.getaddrinfo, _getaddrinfo
+            _failing_since.clear()
+        _resolver_users += 1
     try:
         yield
     finally:
-        socket.getaddrinfo = resolve
+        with _resolver_lock:
+            _resolver_users -= 1
+            if _resolver_users == 0:
+                socket.getaddrinfo = _resolve
 
 
 def _prepare(builder: Any, label: str) -> None:
@@ -178,7 +207,8 @@ def _prepare(builder: Any, label: str) -> None:
         raise
     except _UnresolvedHost as e:
         raise DataError(
-            f"TFDS could not download {label}: the host {e.host} does not resolve (offline?); "
+            f"TFDS could not download {label}: the host {e.host} has not resolved for "
+            f"{UNRESOLVED_GIVE_UP_S:g} s (offline?); "
             "if offline, use --dataset files --data-dir with {split}.{lang} text files, "
             "or --tfds-data-dir with a prepared copy"
         ) from None

@@ -75,9 +75,11 @@ def test_edited_files_are_prepared_again(multi30k_slice, tmp_path):
 
 def test_an_unresolvable_download_host_fails_in_seconds(tmp_path, monkeypatch):
     # Offline, TFDS's downloader retries a host that does not resolve 10 times with
-    # backoff (3.4 min) before its error; the one-line error must come at once instead.
+    # backoff (3.4 min) before its error; the one-line error must come in seconds.
     import socket
     import time
+
+    from data import tfds_source
 
     lookups = []
 
@@ -86,36 +88,51 @@ def test_an_unresolvable_download_host_fails_in_seconds(tmp_path, monkeypatch):
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
     monkeypatch.setattr(socket, "getaddrinfo", offline)
+    monkeypatch.setattr(tfds_source, "UNRESOLVED_GIVE_UP_S", 2.0)  # 10 s by default
     spec = data.CorpusSpec(
         dataset="tfds", tfds_name="wmt14_translate/de-en", tfds_data_dir=str(tmp_path / "tfds")
     )
     start = time.monotonic()
     with pytest.raises(data.DataError) as e:
         data.load_corpus(spec, "train")
-    assert time.monotonic() - start < 30
-    assert "the host www.statmt.org does not resolve (offline?)" in str(e.value)
+    assert 2.0 <= time.monotonic() - start < 30
+    assert "the host www.statmt.org has not resolved for 2 s (offline?)" in str(e.value)
     assert "--dataset files" in str(e.value) and "\n" not in str(e.value)
     assert "www.statmt.org" in lookups and socket.getaddrinfo is offline  # put back
 
 
-def test_a_host_that_resolves_on_its_retry_is_downloaded_from(monkeypatch):
-    # A passing DNS failure still gets urllib3's first retry: only a second failure of
-    # the same host stops the download.
+def test_a_dns_outage_shorter_than_the_limit_is_ridden_out(monkeypatch):
+    # A host gives up only after failing for UNRESOLVED_GIVE_UP_S with no success between;
+    # overlapping blocks (threads) leave the original resolver in place.
     import socket
+    import time
 
     from data import tfds_source
 
-    answers = iter([socket.gaierror(socket.EAI_AGAIN, "Temporary failure"), ["an address"]])
+    down = {"flaky.test"}
 
-    def flaky(host, *args, **kwargs):
-        answer = next(answers)
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
+    def resolver(host, *args, **kwargs):
+        if host in down:
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return ["an address"]
 
-    monkeypatch.setattr(socket, "getaddrinfo", flaky)
-    with tfds_source._no_retries_for_unresolved_hosts():
-        with pytest.raises(socket.gaierror):
-            socket.getaddrinfo("example.org", 80)
-        assert socket.getaddrinfo("example.org", 80) == ["an address"]
-    assert socket.getaddrinfo is flaky
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    monkeypatch.setattr(tfds_source, "UNRESOLVED_GIVE_UP_S", 0.3)
+    first, second = (tfds_source._no_retries_for_unresolved_hosts() for _ in range(2))
+    first.__enter__()
+    second.__enter__()
+    with pytest.raises(socket.gaierror):  # an ordinary failure, which urllib3 retries
+        socket.getaddrinfo("flaky.test", 80)
+    time.sleep(0.2)
+    down.clear()
+    assert socket.getaddrinfo("flaky.test", 80) == ["an address"]  # the outage is over
+    down.add("flaky.test")
+    with pytest.raises(socket.gaierror):  # the clock started again at this failure
+        socket.getaddrinfo("flaky.test", 80)
+    time.sleep(0.35)
+    with pytest.raises(tfds_source._UnresolvedHost):
+        socket.getaddrinfo("flaky.test", 80)
+    first.__exit__(None, None, None)  # the first block leaves before the second
+    assert socket.getaddrinfo is not resolver
+    second.__exit__(None, None, None)
+    assert socket.getaddrinfo is resolver
