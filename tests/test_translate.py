@@ -143,6 +143,7 @@ def test_programs_compiled_side_by_side_are_the_searches_and_kept(setup, monkeyp
         return compile_side_by_side(lowered, *args, **kwargs)
 
     monkeypatch.setattr(translate_module, "compile_side_by_side", counting)
+    monkeypatch.setattr(translate_module, "_PROGRAMS", {})  # none kept from other tests
     for alpha in (0.6, 3.0):  # options are part of what a program was compiled for
         got = translate_ids(model, params, src_ids, beam_size=3, alpha=alpha, max_tokens=60, **kw)
         expected = []
@@ -159,3 +160,11 @@ def test_programs_compiled_side_by_side_are_the_searches_and_kept(setup, monkeyp
     assert compiled[2] == 0 and again == translate_ids(
         model, params, src_ids, beam_size=3, alpha=0.6, max_tokens=60, **kw
     )
+    # Only the most recently used are kept: with room for 2, alpha 0.6 is compiled again.
+    monkeypatch.setattr(translate_module, "MAX_KEPT_PROGRAMS", 2)
+    translate_ids(model, params, src_ids, beam_size=3, alpha=3.0, max_tokens=60, **kw)
+    assert len(translate_module._PROGRAMS) == 2
+    assert again == translate_ids(
+        model, params, src_ids, beam_size=3, alpha=0.6, max_tokens=60, **kw
+    )
+    assert compiled[-1] == compiled[0]

@@ -74,8 +74,11 @@ def decoding_batches(
             yield members[indices], src_bS
 
 
-# Compiled search programs, by what they were compiled for: see `search_programs`.
+# Compiled search programs, by what they were compiled for, least recently used first:
+# see `search_programs`. A default evaluation uses 9 shapes, a training run's
+# validation a few more; a longer-lived process (a sweep over beam sizes) drops the oldest.
 _PROGRAMS: dict[tuple, jax.stages.Compiled] = {}
+MAX_KEPT_PROGRAMS = 64
 
 
 def search_programs(
@@ -90,12 +93,14 @@ def search_programs(
 
     `jax.jit` would compile each shape's program when its first batch comes, one after
     another; lowering them all first and compiling them in a pool of threads
-    (`compile_side_by_side`) has them ready sooner where there are cores to spare: on a
-    lent H100 the 9 beam-search programs of test2016 were all compiled 19 s after
-    `evaluate.py` started, against 44 s one by one. On a 2-core CPU it made no measurable
-    difference (benchmarks/EXPERIMENTS.md), and the translations are the same. Programs
-    are kept for later calls with the same model, options, shape and parameter shapes,
-    as `jax.jit` keeps its own (training's validations decode the same shapes each time).
+    (`compile_side_by_side`) has them ready sooner where there are cores to spare: in a
+    trial on a lent H100 the 9 beam-search programs of test2016 took 4.5 to 7.8 s each
+    side by side, all done 19 s after `evaluate.py` started, where one by one they had
+    taken 3.3 to 4.1 s each (about 33 s in all). On a 2-core CPU it made no measurable
+    difference (benchmarks/EXPERIMENTS.md), and the translations are the same. The last
+    `MAX_KEPT_PROGRAMS` programs are kept for later calls with the same model, options,
+    shape and parameters (shapes, dtypes, devices), as `jax.jit` keeps its own
+    (training's validations decode the same shapes each time).
 
     Args:
       model: the encoder-decoder module.
@@ -119,14 +124,19 @@ def search_programs(
     def key(shape: tuple[int, int]) -> tuple:
         return (search, model, tuple(sorted(options.items())), tuple(shape), signature)
 
-    missing = [shape for shape in dict.fromkeys(map(tuple, shapes)) if key(shape) not in _PROGRAMS]
+    wanted = list(dict.fromkeys(map(tuple, shapes)))
+    missing = [shape for shape in wanted if key(shape) not in _PROGRAMS]
     lowered = [
         search.lower(model, params, jax.ShapeDtypeStruct(shape, jnp.int32), **options)
         for shape in missing
     ]
-    for shape, program in zip(missing, compile_side_by_side(lowered), strict=True):
-        _PROGRAMS[key(shape)] = program
-    return {tuple(shape): _PROGRAMS[key(shape)] for shape in shapes}
+    programs = {shape: _PROGRAMS.pop(key(shape)) for shape in wanted if shape not in missing}
+    programs.update(zip(missing, compile_side_by_side(lowered), strict=True))
+    for shape in wanted:  # most recently used last
+        _PROGRAMS[key(shape)] = programs[shape]
+    while len(_PROGRAMS) > MAX_KEPT_PROGRAMS:
+        del _PROGRAMS[next(iter(_PROGRAMS))]
+    return programs
 
 
 def translate_ids(
