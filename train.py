@@ -412,8 +412,13 @@ def maybe_initialize_distributed(args: argparse.Namespace) -> None:
         raise UsageError(f"--num-processes must be >= 1, got {processes}")
     if process is not None and not 0 <= process < (processes or process + 1):
         raise UsageError(f"--process-id must be in [0, --num-processes), got {process}")
-    if address is not None and not re.fullmatch(r"[^\s:]+(:[^\s:]+)*:\d+|\[[^\]]+\]:\d+", address):
-        raise UsageError(f"--coordinator-address must be HOST:PORT, got {address!r}")
+    if address is not None:
+        found = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})", address)
+        if not found or not 0 < int(found[2]) < 2**16:
+            raise UsageError(
+                f"--coordinator-address must be HOST:PORT (an IPv6 host in brackets), "
+                f"got {address!r}"
+            )
     if process:
         print(
             f"process {process}: waiting for the coordinator at {address or 'its address'} "
@@ -577,6 +582,12 @@ class PreTrainingStop(Exception):
     """A stop request (SIGINT/SIGTERM) that came before the training loop: nothing to save."""
 
 
+class StopRequest(threading.Event):
+    """Set by SIGINT or SIGTERM; `signum` says which came first."""
+
+    signum: int | None = None
+
+
 def install_stop_handlers(stop: threading.Event, log, training: threading.Event) -> dict[int, Any]:
     """SIGINT/SIGTERM set `stop`: once `training` is set the loop then saves and exits;
     before it, `check_stop_before_training` ends the run. A second SIGINT aborts."""
@@ -584,6 +595,8 @@ def install_stop_handlers(stop: threading.Event, log, training: threading.Event)
     def handler(signum, frame):
         if stop.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if isinstance(stop, StopRequest) and stop.signum is None:
+            stop.signum = signum
         stop.set()
         what = "saving a checkpoint" if training.is_set() else "before training starts"
         log(f"{signal.Signals(signum).name}: {what}, then stopping")
@@ -598,8 +611,8 @@ def check_stop_before_training(stop: threading.Event) -> None:
     """Ends the run where a stop request came while the data or the state was loading."""
     if stop.is_set():
         raise PreTrainingStop(
-            "stopped before training started: nothing was trained, so nothing was saved; "
-            "run the same command to start again"
+            "stopped before training started: nothing new was trained, so nothing was saved; "
+            "run the same command to go on"
         )
 
 
@@ -611,10 +624,13 @@ def run(args: argparse.Namespace) -> int:
     log = tqdm.write
     # From here a stop request is seen: before training it ends the run at the next
     # check, in training the loop saves a checkpoint and exits.
-    stop, training = threading.Event(), threading.Event()
+    stop, training = StopRequest(), threading.Event()
     previous_handlers = install_stop_handlers(stop, log, training)
     try:
         return _run(args, log, stop, training)
+    except PreTrainingStop as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 128 + (stop.signum or signal.SIGINT)  # as the shell reports a signal
     finally:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
@@ -775,13 +791,10 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except OSError as e:  # e.g. a --workdir name longer than the file system allows
+    except OSError as e:  # a --workdir name too long, a full disk: not a usage error
         message = f"{e.filename}: {e.strerror}" if e.filename else str(e)
         print(f"error: {message}", file=sys.stderr)
-        return 2
-    except PreTrainingStop as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 130
+        return 1
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the stop handlers
         print(
             "error: interrupted; run the same command to resume from the last checkpoint",

@@ -55,7 +55,8 @@ class Tokenizer:
         self.path = str(path) if path is not None else None
         if not model_bytes:  # SentencePiece takes it as a model with no pieces at all
             raise DataError(
-                f"tokenizer {path} is empty, not a SentencePiece model; delete it to retrain"
+                f"tokenizer {path or '(model bytes)'} is empty, not a SentencePiece model; "
+                "delete it to retrain"
             )
         self._sp = spm.SentencePieceProcessor(model_proto=model_bytes)
         self.fingerprint = hashlib.sha256(model_bytes).hexdigest()

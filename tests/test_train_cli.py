@@ -448,9 +448,12 @@ def test_bad_setting_is_a_one_line_error_naming_the_flag_before_anything_is_writ
     assert not workdir.exists()
 
 
-@pytest.mark.parametrize("phase", ["load_training_data", "restore_or_init"])
+@pytest.mark.parametrize(
+    "phase, signum",
+    [("load_training_data", signal.SIGINT), ("restore_or_init", signal.SIGTERM)],
+)
 def test_a_stop_request_before_training_ends_the_run_with_one_line_and_saves_nothing(
-    slice_dir, tmp_path, monkeypatch, capsys, phase
+    slice_dir, tmp_path, monkeypatch, capsys, phase, signum
 ):
     # Ctrl-C while the data or the state loads (tokenizing a corpus takes a while) was
     # lost in a callback of XLA's, or came out as a raw traceback.
@@ -458,17 +461,18 @@ def test_a_stop_request_before_training_ends_the_run_with_one_line_and_saves_not
     loads = getattr(owner, phase)
 
     def interrupted(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signum)
         return loads(*args, **kwargs)
 
     monkeypatch.setattr(owner, phase, interrupted)
     workdir = tmp_path / "run"
-    assert train.main(_flags(slice_dir, workdir, "--steps", "4")) == 130
+    assert train.main(_flags(slice_dir, workdir, "--steps", "4")) == 128 + signum
     out, err = capsys.readouterr()
-    assert "SIGINT: before training starts, then stopping" in out + err
+    assert f"{signal.Signals(signum).name}: before training starts, then stopping" in out + err
     assert err.startswith("error: stopped before training started") and err.count("\n") == 1
     assert not (workdir / "config.json").exists() and not checkpoint_steps(workdir)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
 @pytest.mark.parametrize(
@@ -478,9 +482,19 @@ def test_a_stop_request_before_training_ends_the_run_with_one_line_and_saves_not
         (["--num-processes", "2", "--process-id", "3"], "--process-id must be in [0, --num-p"),
         (["--process-id", "-1"], "--process-id must be in [0, --num-processes), got -1"),
         (["--coordinator-address", "notahostport"], "--coordinator-address must be HOST:PORT"),
+        (["--coordinator-address", "host:1234:5678"], "--coordinator-address must be HOST:PORT"),
+        (["--coordinator-address", "localhost:70000"], "--coordinator-address must be HOST:POR"),
         (["--num-processes", "2", "--process-id", "0"], "cannot start the multi-host run ("),
     ],
-    ids=["no-processes", "id-too-big", "id-negative", "no-port", "no-coordinator"],
+    ids=[
+        "no-processes",
+        "id-too-big",
+        "id-negative",
+        "no-port",
+        "two-ports",
+        "port-too-big",
+        "no-coordinator",
+    ],
 )
 def test_bad_multi_host_flags_are_a_one_line_error_before_anything_is_written(
     slice_dir, tmp_path, capsys, flags, message
@@ -493,17 +507,17 @@ def test_bad_multi_host_flags_are_a_one_line_error_before_anything_is_written(
 
 
 @pytest.mark.parametrize(
-    "name, message", [("", "--workdir is empty"), ("x" * 300, "File name too long")]
+    "name, message, code", [("", "--workdir is empty", 2), ("x" * 300, "File name too long", 1)]
 )
 def test_an_impossible_workdir_name_is_a_one_line_error(
-    slice_dir, tmp_path, monkeypatch, capsys, name, message
+    slice_dir, tmp_path, monkeypatch, capsys, name, message, code
 ):
     # An empty name used to train into the default runs/ folder; a too-long one gave a
     # traceback.
     monkeypatch.chdir(tmp_path)
     flags = _flags(slice_dir, "unused")
     flags[flags.index("unused")] = str(tmp_path / name) if name else ""
-    assert train.main(flags) == 2
+    assert train.main(flags) == code
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
     assert not (tmp_path / "runs").exists()

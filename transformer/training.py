@@ -137,7 +137,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not (0 < value < math.inf):  # NaN fails too
                 raise ValueError(f"{name} must be > 0 and finite, got {value}")
-        if not 0 <= self.seed < 2**32:  # what NumPy's shuffling takes
+        if not 0 <= self.seed < 2**32:  # jax.random.PRNGKey's 32 bits: 2**32 would be 0 again
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
         for name in ("adam_b1", "adam_b2", "label_smoothing"):
             if not 0.0 <= getattr(self, name) < 1.0:
