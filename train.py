@@ -588,14 +588,14 @@ class StopRequest(threading.Event):
     signum: int | None = None
 
 
-def install_stop_handlers(stop: threading.Event, log, training: threading.Event) -> dict[int, Any]:
+def install_stop_handlers(stop: StopRequest, log, training: threading.Event) -> dict[int, Any]:
     """SIGINT/SIGTERM set `stop`: once `training` is set the loop then saves and exits;
     before it, `check_stop_before_training` ends the run. A second SIGINT aborts."""
 
     def handler(signum, frame):
         if stop.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        if isinstance(stop, StopRequest) and stop.signum is None:
+        if stop.signum is None:
             stop.signum = signum
         stop.set()
         what = "saving a checkpoint" if training.is_set() else "before training starts"
