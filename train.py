@@ -707,6 +707,12 @@ def _run(args: argparse.Namespace, log, stop: threading.Event, training: threadi
     try:
         start = trainer.restore_or_init(loaded.batcher)
         check_stop_before_training(stop)
+        if start >= total_steps:  # nothing to train; config.json keeps the run's own steps
+            log(
+                f"already at step {start} of the {total_steps} asked for: nothing to train; "
+                "pass a larger --steps to go on"
+            )
+            return 0
         training.set()
         if main_process:  # only once the checkpoint took these settings
             sections = {
@@ -732,9 +738,7 @@ def _run(args: argparse.Namespace, log, stop: threading.Event, training: threadi
                     "training goes on, but will not repeat an uninterrupted run to the last digit"
                 )
         trainer.open_metrics()  # its clock counts compiling, whichever way it is done
-        if start >= total_steps:
-            log(f"already at step {start} of {total_steps}; pass a larger --steps to go on")
-        elif compiles_side_by_side():
+        if compiles_side_by_side():
             compile_step_programs(
                 trainer, loaded, log, start=start, total_steps=total_steps, stop=stop
             )

@@ -328,6 +328,21 @@ def test_the_run_config_is_written_only_once_the_checkpoint_is_restored(
     assert (straight_run / "config.json").read_bytes() == config  # still "steps": 16
 
 
+def test_resuming_with_fewer_steps_than_done_trains_nothing_and_keeps_the_run_config(
+    straight_run, capsys
+):
+    # The checkpoint is at step 16: --steps 8 has nothing to train, and must not write
+    # "steps": 8 into config.json, which a plain resume would then read.
+    config = (straight_run / "config.json").read_bytes()
+    steps = checkpoint_steps(straight_run)
+    assert train.main(["--workdir", str(straight_run), "--steps", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "already at step 16 of the 8 asked for: nothing to train" in out
+    assert "done:" not in out
+    assert (straight_run / "config.json").read_bytes() == config
+    assert checkpoint_steps(straight_run) == steps == [8, 12, 16]
+
+
 def test_non_finite_loss_exits_1_with_the_step_and_keeps_the_last_checkpoint(
     slice_dir, tmp_path, capsys, monkeypatch
 ):
