@@ -12,15 +12,19 @@ again may change the training schedule (e.g. more --steps) but not the model or
 the data.
 
 Exit status: 0 when done or interrupted (SIGINT/SIGTERM save a checkpoint
-first), 1 when the loss became non-finite, 2 for bad flags, data or workdir.
+first), 1 when the loss became non-finite or a write failed (a full disk), 2 for
+bad flags, data or workdir, 128 + the signal (130, 143) when stopped before
+training started.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -64,6 +68,7 @@ DATA_FIELDS = (
     "max_shapes",
 )
 DEFAULT_PRESET = "mini"
+CACHE_DIR = "cache"  # the workdir's tokenized splits
 # Multi30k-sized defaults; the paper's WMT recipe used warmup 4000 and 25k-token batches.
 DATA_DEFAULTS = {
     "dataset": "multi30k",
@@ -106,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "Flags left out take the workdir's saved settings when resuming, else the defaults "
-            "shown. Exit status: 0 done or interrupted, 1 non-finite loss, 2 bad input."
+            "shown. Exit status: 0 done or interrupted, 1 non-finite loss or failed write, "
+            "2 bad input, 130 or 143 stopped before training."
         ),
         # Defaults are written into each help as [value]: a left-out flag takes the
         # workdir's saved setting when resuming, so argparse's own defaults are all None.
@@ -372,27 +378,76 @@ def check_resume_matches(workdir: Path, saved: dict[str, Any], section: str, now
 
 def forget_unchecked_tokenizer(
     workdir: Path, saved: dict[str, Any] | None, data_cfg: dict, log, main_process: bool
-) -> None:
+) -> Path | None:
     """Moves aside a workdir's tokenizer that nothing ties to these data settings.
 
-    A run that stopped between training its tokenizer and its first checkpoint
+    A run that was killed between training its tokenizer and its first checkpoint
     leaves `tokenizer.model` with no run config, or with a config of other data
     settings that `check_resume_matches` lets go (no checkpoint depends on them);
-    reusing it would tokenize this corpus with another's vocabulary.
+    reusing it would tokenize this corpus with another's vocabulary, so it becomes
+    `tokenizer.model.old` (`.old.2`, ... where that is taken).
+
+    Returns:
+      Where it was moved, or None if it was not.
     """
     import orbax.checkpoint as ocp
 
     from data.tokenizer import TOKENIZER_FILENAME
 
     path = workdir / TOKENIZER_FILENAME
+    aside = None
     if path.is_file() and (saved is None or _differences(saved.get("data") or {}, data_cfg)):
-        aside = path.with_name(path.name + ".old")
+        aside, n = path.with_name(path.name + ".old"), 1
+        while aside.exists():  # the same on every host: they see one shared workdir
+            n += 1
+            aside = path.with_name(f"{path.name}.old.{n}")
         log(f"{path} is not from a run with these data settings: moved to {aside.name}")
         if main_process:
             path.replace(aside)
     # On a shared workdir no process reads the tokenizer before it is moved (the barrier
     # is a no-op on one host); one that did would tokenize with the stale vocabulary.
     ocp.multihost.sync_global_processes("tokenizer_checked")
+    return aside
+
+
+@contextlib.contextmanager
+def removed_if_stopped_before_training(
+    workdir: Path, main_process: bool, training: threading.Event, moved_aside: Path | None
+):
+    """Takes back what the run wrote into the workdir if it ends before training starts.
+
+    Loading trains `tokenizer.model` and fills `cache/`, and the checkpoint manager
+    makes `checkpoints/`, before the run can find, say, that no pair is short enough
+    to train on, or sees a stop request; such a run should leave the workdir as it
+    found it. Only what was not there before is removed (and the workdir itself, if
+    this run made it and it is empty again), so a resume's files are never touched,
+    and nothing is once `training` is set. `moved_aside`, the tokenizer that
+    `forget_unchecked_tokenizer` moved aside, if any, is put back.
+    """
+    from data.tokenizer import TOKENIZER_FILENAME
+    from transformer.checkpoints import checkpoint_dir
+
+    made_workdir = not workdir.exists()
+    paths = (workdir / TOKENIZER_FILENAME, workdir / CACHE_DIR, checkpoint_dir(workdir))
+    new = [path for path in paths if not path.exists()]
+    try:
+        yield
+    except BaseException:
+        if main_process and not training.is_set():
+            # Best effort, so that the error that ended the run is the one reported.
+            for path in new:
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                elif path.exists():
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+            if moved_aside is not None:
+                with contextlib.suppress(OSError):
+                    moved_aside.replace(workdir / TOKENIZER_FILENAME)
+            if made_workdir:
+                with contextlib.suppress(OSError):  # not empty: something else wrote there
+                    workdir.rmdir()
+        raise
 
 
 def maybe_initialize_distributed(args: argparse.Namespace) -> None:
@@ -478,7 +533,7 @@ def load_training_data(
     tokenizer = data.load_or_train_tokenizer(
         workdir, train, vocab_size=settings["vocab_size"], model_type=settings["tokenizer_type"]
     )
-    cache = workdir / "cache"
+    cache = workdir / CACHE_DIR
 
     def batcher_of(encoded: data.EncodedCorpus, shuffle: bool) -> data.TokenBatcher:
         return data.TokenBatcher(
@@ -680,76 +735,78 @@ def _run(args: argparse.Namespace, log, stop: threading.Event, training: threadi
     model_config(args, saved, data_cfg["vocab_size"], pad_id=0)
     if saved is not None:
         check_resume_matches(workdir, saved, "data", data_cfg)
-    forget_unchecked_tokenizer(workdir, saved, data_cfg, log, main_process)
-    try:
-        loaded = load_training_data(workdir, data_cfg, max_len, train_cfg.seed, log)
-    except OSError as e:  # an unwritable --workdir, an unreadable data file
-        raise UsageError(f"{e.filename}: {e.strerror}" if e.filename else str(e)) from None
-    check_stop_before_training(stop)
-    model_cfg = model_config(args, saved, loaded.tokenizer.vocab_size, loaded.tokenizer.pad_id)
-    if saved is not None:
-        check_resume_matches(workdir, saved, "model", model_cfg.to_dict())
-    for line in loaded.summary:
-        log(line)
-
-    total_steps = train_cfg.steps or train_cfg.epochs * loaded.batcher.batches_per_epoch
-    trainer = Trainer(
-        model_cfg,
-        train_cfg,
-        workdir,
-        pad_id=loaded.tokenizer.pad_id,
-        log=log,
-        progress=not args.no_progress,
-        is_main_process=main_process,
-        total_steps=total_steps,
-    )
-    batches = None
-    try:
-        start = trainer.restore_or_init(loaded.batcher)
+    moved_aside = forget_unchecked_tokenizer(workdir, saved, data_cfg, log, main_process)
+    with removed_if_stopped_before_training(workdir, main_process, training, moved_aside):
+        try:
+            loaded = load_training_data(workdir, data_cfg, max_len, train_cfg.seed, log)
+        except OSError as e:  # an unwritable --workdir, an unreadable data file
+            raise UsageError(f"{e.filename}: {e.strerror}" if e.filename else str(e)) from None
         check_stop_before_training(stop)
-        if start >= total_steps:  # nothing to train; config.json keeps the run's own steps
-            log(
-                f"already at step {start} of the {total_steps} asked for: nothing to train; "
-                "pass a larger --steps to go on"
-            )
-            return 0
-        training.set()
-        if main_process:  # only once the checkpoint took these settings
-            sections = {
-                "model": model_cfg.to_dict(),
-                "data": data_cfg,
-                "train": train_cfg.to_dict(),
-            }
-            save_run_config(workdir, {**(saved or {}), **sections})  # keeps "environments"
-        num_params = sum(x.size for x in jax.tree.leaves(trainer.params()))
-        log(
-            f"model: {num_params / 1e6:.2f}M parameters, d_model {model_cfg.d_model}, "
-            f"{model_cfg.num_encoder_layers}+{model_cfg.num_decoder_layers} layers; "
-            f"{jax.device_count()} {jax.devices()[0].platform} device(s) on "
-            f"{jax.process_count()} host(s)"
+        model_cfg = model_config(args, saved, loaded.tokenizer.vocab_size, loaded.tokenizer.pad_id)
+        if saved is not None:
+            check_resume_matches(workdir, saved, "model", model_cfg.to_dict())
+        for line in loaded.summary:
+            log(line)
+
+        total_steps = train_cfg.steps or train_cfg.epochs * loaded.batcher.batches_per_epoch
+        trainer = Trainer(
+            model_cfg,
+            train_cfg,
+            workdir,
+            pad_id=loaded.tokenizer.pad_id,
+            log=log,
+            progress=not args.no_progress,
+            is_main_process=main_process,
+            total_steps=total_steps,
         )
-        if start:
-            log(f"resumed from step {start} in {trainer.checkpoints.directory}")
-        if main_process:
-            changes = record_environment(workdir, start)
-            if start and changes:
+        batches = None
+        try:
+            start = trainer.restore_or_init(loaded.batcher)
+            check_stop_before_training(stop)
+            if start >= total_steps:  # nothing to train; config.json keeps the run's own steps
                 log(
-                    f"warning: resuming with other software than before ({'; '.join(changes)}); "
-                    "training goes on, but will not repeat an uninterrupted run to the last digit"
+                    f"already at step {start} of the {total_steps} asked for: nothing to train; "
+                    "pass a larger --steps to go on"
                 )
-        trainer.open_metrics()  # its clock counts compiling, whichever way it is done
-        if compiles_side_by_side():
-            compile_step_programs(
-                trainer, loaded, log, start=start, total_steps=total_steps, stop=stop
+                return 0
+            training.set()
+            if main_process:  # only once the checkpoint took these settings
+                sections = {
+                    "model": model_cfg.to_dict(),
+                    "data": data_cfg,
+                    "train": train_cfg.to_dict(),
+                }
+                save_run_config(workdir, {**(saved or {}), **sections})  # keeps "environments"
+            num_params = sum(x.size for x in jax.tree.leaves(trainer.params()))
+            log(
+                f"model: {num_params / 1e6:.2f}M parameters, d_model {model_cfg.d_model}, "
+                f"{model_cfg.num_encoder_layers}+{model_cfg.num_decoder_layers} layers; "
+                f"{jax.device_count()} {jax.devices()[0].platform} device(s) on "
+                f"{jax.process_count()} host(s)"
             )
-        batches = prefetch(loaded.batcher, size=2)
-        result = trainer.run(
-            with_data_state(batches), total_steps, loaded.validation, stop_event=stop
-        )
-    finally:
-        if batches is not None:
-            batches.close()
-        trainer.close()
+            if start:
+                log(f"resumed from step {start} in {trainer.checkpoints.directory}")
+            if main_process:
+                changes = record_environment(workdir, start)
+                if start and changes:
+                    log(
+                        "warning: resuming with other software than before "
+                        f"({'; '.join(changes)}); training goes on, but will not repeat "
+                        "an uninterrupted run to the last digit"
+                    )
+            trainer.open_metrics()  # its clock counts compiling, whichever way it is done
+            if compiles_side_by_side():
+                compile_step_programs(
+                    trainer, loaded, log, start=start, total_steps=total_steps, stop=stop
+                )
+            batches = prefetch(loaded.batcher, size=2)
+            result = trainer.run(
+                with_data_state(batches), total_steps, loaded.validation, stop_event=stop
+            )
+        finally:
+            if batches is not None:
+                batches.close()
+            trainer.close()
     if result.interrupted:
         log(
             f"interrupted at step {result.step}; checkpoint saved in {result.checkpoint_dir}. "

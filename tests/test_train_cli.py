@@ -485,7 +485,7 @@ def test_a_stop_request_before_training_ends_the_run_with_one_line_and_saves_not
     out, err = capsys.readouterr()
     assert f"{signal.Signals(signum).name}: before training starts, then stopping" in out + err
     assert err.startswith("error: stopped before training started") and err.count("\n") == 1
-    assert not (workdir / "config.json").exists() and not checkpoint_steps(workdir)
+    assert not workdir.exists()  # the tokenizer, cache and checkpoints folder taken back
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
@@ -596,6 +596,29 @@ def test_a_broken_val_split_stops_the_run_before_anything_is_written_a_missing_o
     assert "warning: no validation: no split 'val'" in capsys.readouterr().out
 
 
+def test_a_data_error_after_the_tokenizer_is_trained_leaves_the_workdir_as_it_was(
+    slice_dir, tmp_path, capsys
+):
+    # --max-len 2 drops every pair, found only once the tokenizer is trained and the
+    # corpus encoded: they were left behind in the workdir, tied to no run config.
+    # A stray tokenizer the run moved aside is put back.
+    new, used = tmp_path / "new", tmp_path / "used"
+    used.mkdir()
+    before = {
+        "notes.txt": b"the user's",
+        "tokenizer.model": b"stray",
+        "tokenizer.model.old": b"old",
+    }
+    for name, content in before.items():
+        (used / name).write_bytes(content)
+    for workdir in (new, used):
+        assert train.main(_flags(slice_dir, workdir, "--max-len", "2")) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: no training pairs left") and err.count("\n") == 1
+    assert not new.exists()
+    assert {p.name: p.read_bytes() for p in used.iterdir()} == before
+
+
 def test_a_tokenizer_no_run_config_ties_to_the_data_is_moved_aside(
     slice_dir, straight_run, multi30k_tokenizer, tmp_path
 ):
@@ -604,8 +627,10 @@ def test_a_tokenizer_no_run_config_ties_to_the_data_is_moved_aside(
     workdir.mkdir()
     foreign = Path(multi30k_tokenizer.path).read_bytes()
     (workdir / "tokenizer.model").write_bytes(foreign)
+    (workdir / "tokenizer.model.old").write_bytes(b"moved aside before")  # not overwritten
     assert train.main(_flags(slice_dir, workdir, "--steps", "4")) == 0
-    assert (workdir / "tokenizer.model.old").read_bytes() == foreign
+    assert (workdir / "tokenizer.model.old").read_bytes() == b"moved aside before"
+    assert (workdir / "tokenizer.model.old.2").read_bytes() == foreign
     trained = (straight_run / "tokenizer.model").read_bytes()  # the same flags and data
     assert (workdir / "tokenizer.model").read_bytes() == trained
 
