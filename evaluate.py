@@ -40,12 +40,16 @@ from sacrebleu.metrics import BLEU, CHRF
 
 from data import CorpusSpec, DataError, decode_lines, load_corpus, read_aligned_lines, read_lines
 from data.text import is_written_in_place, write_text_atomically
-from transformer.checkpoints import CONFIG_FILE, CheckpointError, checkpoint_steps, load_run_config
+from transformer.checkpoints import CONFIG_FILE, CheckpointError
 from transformer.compilation_cache import persistent_compilation_cache
-from transformer.translate import Run, detokenize, encode_sources, load_run, translate_ids
-
-# The default parameters: the average of the last 5 checkpoints (README: best on Multi30k val).
-DEFAULT_AVERAGE_LAST = 5
+from transformer.translate import (
+    DEFAULT_AVERAGE_LAST,
+    Run,
+    detokenize,
+    encode_sources,
+    load_run,
+    translate_ids,
+)
 
 
 class UsageError(Exception):
@@ -319,21 +323,15 @@ def _warn_of_long_sources(src_ids: list[list[int]], max_len: int) -> None:
 def _load_run(args: argparse.Namespace) -> Run:
     """Loads --checkpoint, or the average of the last --average-last K checkpoints.
 
-    Without either: the average of the last DEFAULT_AVERAGE_LAST checkpoints, or
-    of all of them if the run has fewer.
+    Without either: `load_run`'s default, the average of the last
+    DEFAULT_AVERAGE_LAST checkpoints, or of all the recent ones if the run has fewer.
     """
     if args.checkpoint is not None:
         which = int(args.checkpoint) if args.checkpoint.isdigit() else args.checkpoint
         return load_run(args.workdir, checkpoint=which)
     if args.average_last is not None:
         return load_run(args.workdir, average_last=args.average_last)
-    available = len(checkpoint_steps(args.workdir))
-    # The run keeps its last keep_checkpoints plus the best, which may be far older: the
-    # average is of the recent ones only.
-    train = load_run_config(args.workdir).get("train") or {}
-    recent = min(available, train.get("keep_checkpoints") or available)
-    # With no checkpoint at all, load_run reports what is missing.
-    return load_run(args.workdir, average_last=min(DEFAULT_AVERAGE_LAST, recent))
+    return load_run(args.workdir)  # the library's default is this command's
 
 
 def main(

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 def time_modes(args: argparse.Namespace) -> int:
     """Times every mode of `args` and prints the table; returns the exit status."""
     if args.workdir:
-        run = load_run(args.workdir)
+        run = load_run(args.workdir, checkpoint="best")  # as its recorded figures were timed
         model, params, tokenizer = run.model, run.params, run.tokenizer
         spec = data.CorpusSpec.from_settings(run.config["data"])
         print(f"model: {args.workdir} ({run.checkpoint})")

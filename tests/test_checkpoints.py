@@ -81,6 +81,23 @@ def test_round_trip_keeps_structure_and_values(tmp_path, params):
     assert step == 7 and jax.tree.structure(only_params) == jax.tree.structure(params)
 
 
+def test_a_save_by_default_is_on_disk_when_save_returns(tmp_path):
+    # A script that saves and ends without close() lost the checkpoint (only a tmp
+    # folder was left) while saving was asynchronous by default; the Trainer asks for it.
+    script = (
+        "import sys, numpy as np\n"
+        "from transformer.checkpoints import Checkpoints\n"
+        "Checkpoints(sys.argv[1]).save(5, {'w': np.arange(3.0)}, {'n': np.zeros(())}, {})\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    params, step = restore_params(tmp_path, "last")
+    assert step == 5
+    np.testing.assert_array_equal(params["w"], np.arange(3.0))
+
+
 def test_update_meta_changes_what_a_resume_reads_and_nothing_else(tmp_path, params):
     with Checkpoints(tmp_path, keep=2) as ckpts:
         for step in (4, 8):

@@ -7,13 +7,15 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import jax
+import numpy as np
 import pytest
 from matplotlib import image as mpimg
 
 import data
 import evaluate
 import train
-from transformer import TransformerConfig, checkpoints
+from transformer import TransformerConfig, checkpoints, translate
 
 N_TEST = 16
 FAST = ["--beam", "2", "--max-extra-len", "4", "--no-progress"]
@@ -416,11 +418,34 @@ def test_output_onto_an_input_file_is_refused_before_decoding(flag, tmp_path, ca
 def test_default_average_leaves_out_a_best_kept_from_long_before(tmp_path, monkeypatch):
     # keep_checkpoints 3: the last 3 are kept, and the best (step 100) besides them.
     checkpoints.save_run_config(tmp_path, {"model": {}, "train": {"keep_checkpoints": 3}})
-    monkeypatch.setattr(evaluate, "checkpoint_steps", lambda workdir: [100, 900, 950, 1000])
-    asked = []
-    monkeypatch.setattr(evaluate, "load_run", lambda workdir, **kw: asked.append(kw))
-    evaluate._load_run(evaluate.parse_args(["--workdir", str(tmp_path), "--split", "val"]))
-    assert asked == [{"average_last": 3}]  # before: 4, which averaged step 100 in
+    monkeypatch.setattr(checkpoints, "checkpoint_steps", lambda workdir: [100, 900, 950, 1000])
+    assert translate.default_average_last(tmp_path) == 3  # before: 4, which averaged step 100 in
+    checkpoints.save_run_config(tmp_path, {"model": {}, "train": {"keep_checkpoints": 10}})
+    assert translate.default_average_last(tmp_path) == 4  # all it has: fewer than 5
+
+
+def test_the_librarys_default_parameters_are_the_ones_evaluate_scores(workdir, capsys):
+    # load_run's default was the best checkpoint, so a library user scored other
+    # parameters than the command line's default average.
+    default, evaluated = (
+        translate.load_run(workdir),
+        evaluate._load_run(evaluate.parse_args(["--workdir", str(workdir), "--split", "val"])),
+    )
+    assert default.checkpoint == evaluated.checkpoint == "average of steps 200, 300, 400"
+    for a, b in zip(
+        jax.tree.leaves(default.params), jax.tree.leaves(evaluated.params), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_readmes_workdir_example_runs_on_a_trained_workdir(workdir, capsys):
+    from test_readme import WORKDIR_EXAMPLE, readme_workdir_example
+
+    example = readme_workdir_example().replace(WORKDIR_EXAMPLE, f"load_run({str(workdir)!r})")
+    exec(compile(example, "README.md", "exec"), {})
+    checkpoint, translations = capsys.readouterr().out.splitlines()
+    assert checkpoint == "average of steps 200, 300, 400"
+    assert translations.startswith("['") and translations.endswith("']")
 
 
 def test_standard_input_gets_the_checks_of_a_file(workdir, capsys, monkeypatch):

@@ -105,6 +105,10 @@ def test_positional_encoding_matches_the_paper_formula():
     np.testing.assert_allclose(pe, expected, atol=2e-5)
 
 
+def test_positional_encoding_of_no_positions_is_empty():
+    assert sinusoidal_positional_encoding(0, 8).shape == (0, 8)  # was a ZeroDivisionError
+
+
 def test_attention_weights_are_a_distribution_over_unmasked_keys():
     rng = np.random.default_rng(3)
     q, k, v = (jnp.asarray(rng.normal(size=(2, 5, 3, 8)), jnp.float32) for _ in range(3))
@@ -128,6 +132,28 @@ def test_fully_masked_query_gives_zeros_not_nan():
     out, weights = jax.jit(scaled_dot_product_attention)(q, k, v, mask)
     assert np.isfinite(np.asarray(out)).all()
     assert (np.asarray(weights) == 0).all()
+
+
+def test_an_additive_float_mask_is_a_type_error_not_a_mask_read_backwards():
+    # 0 where allowed and -1e9 where masked, the other common convention, was taken as
+    # "attend where nonzero": every query attended to the padding only.
+    q = k = v = jnp.ones((1, 3, 1, 4))
+    additive = jnp.where(jnp.array([True, True, False]), 0.0, -1e9)[None, None, None, :]
+    with pytest.raises(TypeError, match="mask must be boolean"):
+        scaled_dot_product_attention(q, k, v, additive)
+
+
+def test_a_decode_step_without_the_init_cache_collection_is_an_error():
+    # It created a fresh cache at position 0: the first step was right and every later
+    # one wrong, with no error.
+    src, tgt = _batch(np.random.default_rng(7))
+    model, params = _init(_config(), src, tgt)
+    encoded = model.apply({"params": params}, src, method=Transformer.encode)
+    with pytest.raises(ValueError, match="steps the cache that init_cache creates"):
+        model.apply(
+            {"params": params}, encoded, src, tgt[:, :1], decode=True,
+            method=Transformer.decode, mutable=["cache"],
+        )  # fmt: skip
 
 
 def test_attention_weights_are_recorded():

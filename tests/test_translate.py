@@ -97,6 +97,12 @@ def test_empty_and_blank_lines_give_empty_outputs(setup):
     assert translate(model, params, tokenizer, [], max_extra_len=MAX_EXTRA_LEN) == []
 
 
+def test_one_string_instead_of_a_list_is_a_type_error(setup):
+    model, params, tokenizer, sentences = setup  # it translated each character as a sentence
+    with pytest.raises(TypeError, match="pass \\[sentence\\]"):
+        translate(model, params, tokenizer, sentences[0])
+
+
 def test_raw_input_is_normalized_like_training_data(setup):
     """No-break spaces, an XML entity and extra whitespace translate like the clean sentence."""
     model, params, tokenizer, _ = setup

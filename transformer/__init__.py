@@ -3,7 +3,8 @@
 Every concept of the paper is a public name here: `TransformerConfig`,
 `sinusoidal_positional_encoding`, `scaled_dot_product_attention`,
 `MultiHeadAttention`, `FeedForward`, `EncoderLayer`, `DecoderLayer`, `Encoder`,
-`Decoder` and `Transformer`.
+`Decoder` and `Transformer`, with the boolean masks `causal_mask` and
+`padding_mask` (True where attention may look).
 """
 
 from transformer.attention import MultiHeadAttention, scaled_dot_product_attention

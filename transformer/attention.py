@@ -46,6 +46,11 @@ def scaled_dot_product_attention(
        weights [batch, heads, q_len, kv_len] in float32, rows summing to 1
        over unmasked keys, or to 0 where every key is masked).
     """
+    if mask is not None and jnp.result_type(mask) != jnp.bool_:
+        raise TypeError(
+            f"mask must be boolean (True where a query may attend), got {jnp.result_type(mask)}: "
+            "an additive 0/-inf mask would be read the other way round"
+        )
     d_k = q_BQHD.shape[-1]
     scores_BHQK = attention_scores(q_BQHD, k_BKHD, matmul_dtype).astype(jnp.float32)
     scores_BHQK = scores_BHQK / jnp.sqrt(jnp.float32(d_k))

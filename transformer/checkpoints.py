@@ -358,7 +358,9 @@ class Checkpoints:
     Args:
       workdir: the run directory; checkpoints go under workdir/checkpoints.
       keep: how many of the most recent checkpoints to keep (>= 1).
-      async_save: write in a background thread; `wait`/`close` block until done.
+      async_save: write in a background thread (the Trainer does), so `save`
+        returns at once; `wait` or `close` must then come before the process ends,
+        or the checkpoint is lost. False: `save` returns once it is written.
       read_only: never write or delete (for evaluation).
       log: receives one-line warnings (e.g. a damaged checkpoint being skipped).
     """
@@ -368,7 +370,7 @@ class Checkpoints:
         workdir: str | os.PathLike,
         *,
         keep: int = 3,
-        async_save: bool = True,
+        async_save: bool = False,
         read_only: bool = False,
         log: Callable[[str], None] = _stderr,
     ):

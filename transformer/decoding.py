@@ -178,11 +178,35 @@ def _make_decoder(model, params, src_BS, rows, length, pad_id, use_cache):
     return _uncached_decoder(model, params, encoded_BSD, src_BS, rows, length, pad_id)
 
 
-def _check_ids(bos_id: int, eos_id: int, pad_id: int) -> None:
+def _check_search_arguments(
+    model: nn.Module, src_BS: jax.Array, bos_id: int, eos_id: int, pad_id: int, beams: int = 1
+) -> None:
+    """Raises ValueError for arguments that would search wrongly instead of failing.
+
+    An id past the vocabulary embeds as NaN or never ends the search; a padding id
+    other than the model's makes the length limits count padding as tokens.
+    """
+    if src_BS.ndim != 2 or src_BS.shape[1] == 0:
+        raise ValueError(
+            f"src_BS must be [batch, src_len] with src_len >= 1, got shape {tuple(src_BS.shape)}"
+        )
+    if beams < 1:
+        raise ValueError(f"beam_size must be at least 1, got {beams}")
     if pad_id in (bos_id, eos_id):
         raise ValueError(
             f"the padding id ({pad_id}) must differ from the start ({bos_id}) "
             f"and end ({eos_id}) ids"
+        )
+    config = getattr(model, "config", None)
+    vocab_size = getattr(config, "vocab_size", None)
+    if vocab_size is not None:
+        for name, value in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id)):
+            if not 0 <= value < vocab_size:
+                raise ValueError(f"{name} must be in [0, vocab_size {vocab_size}), got {value}")
+    model_pad_id = getattr(config, "pad_id", pad_id)
+    if pad_id != model_pad_id:
+        raise ValueError(
+            f"pad_id {pad_id} is not the model's padding id (config.pad_id {model_pad_id})"
         )
 
 
@@ -238,7 +262,7 @@ def greedy_search(
       generated tokens without the start token, the end token included where
       one was produced, then `pad_id`.
     """
-    _check_ids(bos_id, eos_id, pad_id)
+    _check_search_arguments(model, src_BS, bos_id, eos_id, pad_id)
     batch = src_BS.shape[0]
     limit_B, length = _length_limits(src_BS, pad_id, max_extra_len, max_len)
     decoder = _make_decoder(model, params, src_BS, 1, length, pad_id, use_cache)
@@ -333,7 +357,7 @@ def beam_search(
        scores [batch] float32: its log P(Y | X) / lp(|Y|), -inf for a sentence
        whose limit allows no token).
     """
-    _check_ids(bos_id, eos_id, pad_id)
+    _check_search_arguments(model, src_BS, bos_id, eos_id, pad_id, beam_size)
     batch, beams = src_BS.shape[0], beam_size
     limit_B, length = _length_limits(src_BS, pad_id, max_extra_len, max_len)
     decoder = _make_decoder(model, params, src_BS, beams, length, pad_id, use_cache)

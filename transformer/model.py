@@ -24,7 +24,7 @@ def _positional_encoding_at(positions_L: jax.Array, d_model: int) -> jax.Array:
     angles_LI = positions_L.astype(jnp.float32)[:, None] * inv_wavelength[None, :]
     # Interleave so that even dimensions get sin and odd dimensions get cos.
     pe_LI2 = jnp.stack([jnp.sin(angles_LI), jnp.cos(angles_LI)], axis=-1)
-    return pe_LI2.reshape(positions_L.shape[0], -1)[:, :d_model]
+    return pe_LI2.reshape(positions_L.shape[0], 2 * two_i.size)[:, :d_model]
 
 
 def sinusoidal_positional_encoding(length: int, d_model: int) -> jax.Array:
@@ -351,13 +351,24 @@ class Transformer(nn.Module):
           src_BS: source ids [batch, src_len].
           tgt_BT: decoder input ids [batch, tgt_len] (target shifted right).
           train: enables dropout.
-          decode: one cached step; call `init_cache` first and apply with
-            `mutable=["cache"]`. For beam search `tgt_BT` may have r rows per
-            sentence (beams adjacent) while `src_BS` keeps one.
+          decode: one cached step; call `init_cache` first and apply with its
+            "cache" collection and `mutable=["cache"]` (without it, a ValueError).
+            For beam search `tgt_BT` may have r rows per sentence (beams
+            adjacent) while `src_BS` keeps one, once the cache's `cached_key`
+            and `cached_value` leaves are repeated r times per sentence
+            (`jnp.repeat(leaf, r, axis=0)`, as `transformer.decoding` does).
 
         Returns:
           float32 logits [batch, tgt_len, vocab_size].
         """
+        if decode and not self.is_initializing() and "cache" not in self.variables:
+            # Else the step would create a fresh cache at position 0, and every later
+            # step would be wrong without an error.
+            raise ValueError(
+                "decode=True steps the cache that init_cache creates: apply "
+                "method=Transformer.init_cache with mutable=['cache'] first, then pass its "
+                "'cache' collection to every step"
+            )
         return self.decoder(encoded_BSD, src_BS, tgt_BT, train=train, decode=decode)
 
     def init_cache(self, encoded_BSD: jax.Array, src_BS: jax.Array, max_decode_len: int) -> None:

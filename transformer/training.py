@@ -752,6 +752,7 @@ class Trainer:
         self.checkpoints = Checkpoints(
             self.workdir,
             keep=train_config.keep_checkpoints,
+            async_save=True,  # training goes on while a checkpoint is written; close() waits
             log=lambda m: self._log(f"warning: {m}"),
         )
         self.state: TrainState | None = None  # replicated

@@ -74,6 +74,10 @@ def decoding_batches(
             yield members[indices], src_bS
 
 
+# evaluate.py's default parameters: the average of the last 5 checkpoints (README: best on
+# Multi30k val).
+DEFAULT_AVERAGE_LAST = 5
+
 # Compiled search programs, by what they were compiled for, least recently used first:
 # see `search_programs`. A default evaluation uses 9 shapes, a training run's
 # validation a few more; a longer-lived process (a sweep over beam sizes) drops the oldest.
@@ -287,6 +291,8 @@ def encode_sources(tokenizer: Any, sentences: Sequence[str]) -> list[list[int]]:
     Returns:
       Per sentence, its source ids; `[]` where the normalized sentence is empty.
     """
+    if isinstance(sentences, str):  # else each character would be a sentence
+        raise TypeError("sentences must be a sequence of strings, got one str: pass [sentence]")
     normalized = [normalize(s) for s in sentences]
     encoded = tokenizer.encode_batch(normalized) if normalized else []
     return [
@@ -349,10 +355,22 @@ def load_model(workdir: str | os.PathLike) -> tuple[Transformer, Tokenizer, dict
     return Transformer(model_config), tokenizer, config
 
 
+def default_average_last(workdir: str | os.PathLike) -> int:
+    """How many checkpoints evaluate.py averages by default: the last DEFAULT_AVERAGE_LAST,
+    or all the recent ones the run has if fewer.
+
+    The run keeps its last `keep_checkpoints` plus the best, which may be far older:
+    the average is of the recent ones only. 0 where the run has no checkpoint.
+    """
+    available = len(checkpoints.checkpoint_steps(workdir))
+    train = checkpoints.load_run_config(workdir).get("train") or {}
+    return min(DEFAULT_AVERAGE_LAST, available, train.get("keep_checkpoints") or available)
+
+
 def load_run(
     workdir: str | os.PathLike,
     *,
-    checkpoint: str | int = "best",
+    checkpoint: str | int | None = None,
     average_last: int = 0,
     log: Callable[[str], None] = _warn,
 ) -> Run:
@@ -360,7 +378,9 @@ def load_run(
 
     Args:
       workdir: the run directory.
-      checkpoint: "best" (highest validation BLEU), "last", or a step.
+      checkpoint: None for the parameters evaluate.py scores without flags (the
+        average of `default_average_last(workdir)` checkpoints); "best" (highest
+        validation BLEU), "last", or a step for one checkpoint.
       average_last: if > 0, average the parameters of the last `average_last`
         checkpoints instead (`checkpoint` is then ignored).
       log: receives one-line warnings.
@@ -373,6 +393,9 @@ def load_run(
       data.DataError: missing or mismatched tokenizer.
     """
     model, tokenizer, config = load_model(workdir)
+    if checkpoint is None and average_last <= 0:
+        # With no checkpoint at all, restore_last reports what is missing.
+        average_last = max(default_average_last(workdir), 1)
     if average_last > 0:
         trees, steps = checkpoints.restore_last(workdir, average_last, log=log)
         params = checkpoints.average_params(trees)
