@@ -12,9 +12,9 @@ again may change the training schedule (e.g. more --steps) but not the model or
 the data.
 
 Exit status: 0 when done or interrupted (SIGINT/SIGTERM save a checkpoint
-first), 1 when the loss became non-finite or a write failed (a full disk), 2 for
-bad flags, data or workdir, 128 + the signal (130, 143) when stopped before
-training started.
+first), 1 when the loss became non-finite or a write failed during training (a
+full disk), 2 for bad flags, data or workdir, 128 + the signal (130, 143) when
+stopped before training started.
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "Flags left out take the workdir's saved settings when resuming, else the defaults "
-            "shown. Exit status: 0 done or interrupted, 1 non-finite loss or failed write, "
+            "shown. Exit status: 0 done or interrupted, 1 non-finite loss or a failed write "
+            "while training, "
             "2 bad input, 130 or 143 stopped before training."
         ),
         # Defaults are written into each help as [value]: a left-out flag takes the
@@ -398,7 +399,7 @@ def forget_unchecked_tokenizer(
     aside = None
     if path.is_file() and (saved is None or _differences(saved.get("data") or {}, data_cfg)):
         aside, n = path.with_name(path.name + ".old"), 1
-        while aside.exists():  # the same on every host: they see one shared workdir
+        while aside.exists():
             n += 1
             aside = path.with_name(f"{path.name}.old.{n}")
         log(f"{path} is not from a run with these data settings: moved to {aside.name}")
@@ -419,15 +420,19 @@ def removed_if_stopped_before_training(
     Loading trains `tokenizer.model` and fills `cache/`, and the checkpoint manager
     makes `checkpoints/`, before the run can find, say, that no pair is short enough
     to train on, or sees a stop request; such a run should leave the workdir as it
-    found it. Only what was not there before is removed (and the workdir itself, if
-    this run made it and it is empty again), so a resume's files are never touched,
-    and nothing is once `training` is set. `moved_aside`, the tokenizer that
-    `forget_unchecked_tokenizer` moved aside, if any, is put back.
+    found it. Only what was not there before is removed (and the workdir and the
+    folders above it that this run made, where empty again), so a resume's files
+    are never touched, and nothing is once `training` is set. `moved_aside`, the
+    tokenizer that `forget_unchecked_tokenizer` moved aside, if any, is put back.
     """
     from data.tokenizer import TOKENIZER_FILENAME
     from transformer.checkpoints import checkpoint_dir
 
-    made_workdir = not workdir.exists()
+    made = []  # the folders this run will make to reach the workdir, innermost first
+    folder = workdir.absolute()
+    while not folder.exists() and folder != folder.parent:
+        made.append(folder)
+        folder = folder.parent
     paths = (workdir / TOKENIZER_FILENAME, workdir / CACHE_DIR, checkpoint_dir(workdir))
     new = [path for path in paths if not path.exists()]
     try:
@@ -444,9 +449,11 @@ def removed_if_stopped_before_training(
             if moved_aside is not None:
                 with contextlib.suppress(OSError):
                     moved_aside.replace(workdir / TOKENIZER_FILENAME)
-            if made_workdir:
-                with contextlib.suppress(OSError):  # not empty: something else wrote there
-                    workdir.rmdir()
+            for folder in made:
+                try:
+                    folder.rmdir()
+                except OSError:  # not empty: something else wrote there
+                    break
         raise
 
 

@@ -455,3 +455,16 @@ def test_standard_input_gets_the_checks_of_a_file(workdir, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", Stdin)
     code, out, err = _run(["--workdir", workdir, "--translate", *FAST], capsys)
     assert code == 2 and out == "" and "standard input is UTF-16" in err
+
+
+def test_a_run_with_no_checkpoint_yet_says_so(workdir, tmp_path, capsys):
+    # A run killed before its first checkpoint: config.json and an empty checkpoints/.
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("config.json", "tokenizer.model"):
+        shutil.copy(workdir / name, run / name)
+    (run / "checkpoints").mkdir()
+    assert evaluate.main(["--workdir", str(run), "--split", "val"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: no checkpoints in {run / 'checkpoints'}; train with train.py")
+    assert err.count("\n") == 1

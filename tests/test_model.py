@@ -141,6 +141,8 @@ def test_an_additive_float_mask_is_a_type_error_not_a_mask_read_backwards():
     additive = jnp.where(jnp.array([True, True, False]), 0.0, -1e9)[None, None, None, :]
     with pytest.raises(TypeError, match="mask must be boolean"):
         scaled_dot_product_attention(q, k, v, additive)
+    with pytest.raises(TypeError, match=r"make a 0/1 mask boolean with .astype\(bool\)"):
+        scaled_dot_product_attention(q, k, v, (additive == 0).astype(jnp.float32))
 
 
 def test_a_decode_step_without_the_init_cache_collection_is_an_error():

@@ -602,7 +602,7 @@ def test_a_data_error_after_the_tokenizer_is_trained_leaves_the_workdir_as_it_wa
     # --max-len 2 drops every pair, found only once the tokenizer is trained and the
     # corpus encoded: they were left behind in the workdir, tied to no run config.
     # A stray tokenizer the run moved aside is put back.
-    new, used = tmp_path / "new", tmp_path / "used"
+    new, used = tmp_path / "new" / "run", tmp_path / "used"
     used.mkdir()
     before = {
         "notes.txt": b"the user's",
@@ -615,7 +615,7 @@ def test_a_data_error_after_the_tokenizer_is_trained_leaves_the_workdir_as_it_wa
         assert train.main(_flags(slice_dir, workdir, "--max-len", "2")) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: no training pairs left") and err.count("\n") == 1
-    assert not new.exists()
+    assert not (tmp_path / "new").exists()  # nor the folder made to hold it
     assert {p.name: p.read_bytes() for p in used.iterdir()} == before
 
 

@@ -49,7 +49,8 @@ def scaled_dot_product_attention(
     if mask is not None and jnp.result_type(mask) != jnp.bool_:
         raise TypeError(
             f"mask must be boolean (True where a query may attend), got {jnp.result_type(mask)}: "
-            "an additive 0/-inf mask would be read the other way round"
+            "make a 0/1 mask boolean with .astype(bool); an additive 0/-inf mask is not "
+            "supported (it would be read the other way round)"
         )
     d_k = q_BQHD.shape[-1]
     scores_BHQK = attention_scores(q_BQHD, k_BKHD, matmul_dtype).astype(jnp.float32)

@@ -444,8 +444,8 @@ class Checkpoints:
     ) -> None:
         """Writes a checkpoint for `step` (after `step` updates); no-op if it exists.
 
-        The arrays should be unreplicated host values (`jax.device_get`): they
-        are written in the background while training goes on.
+        The arrays should be unreplicated host values (`jax.device_get`); with
+        `async_save` they are written in the background while training goes on.
 
         Args:
           step: optimizer updates done.

@@ -394,8 +394,8 @@ def load_run(
     """
     model, tokenizer, config = load_model(workdir)
     if checkpoint is None and average_last <= 0:
-        # With no checkpoint at all, restore_last reports what is missing.
-        average_last = max(default_average_last(workdir), 1)
+        average_last = default_average_last(workdir)
+        checkpoint = "last"  # with no checkpoint at all, restore_params says what is missing
     if average_last > 0:
         trees, steps = checkpoints.restore_last(workdir, average_last, log=log)
         params = checkpoints.average_params(trees)
