@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import unicodedata
+from collections.abc import Callable
 from pathlib import Path
 
 from data.errors import DataError
@@ -164,11 +165,21 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
       OSError: the file cannot be written; its filename is `path`, not the
         temporary file's.
     """
+    write_atomically(path, lambda f: Path(f).write_text(text, encoding="utf-8"))
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -> None:
+    """`write(file)` for `path`, as `write_text_atomically` writes text: to a temporary
+    file beside it that then replaces it (to `path` itself where that is a device or a
+    pipe), so that an interrupted write leaves the old file or none, never half.
+
+    Raises:
+      OSError: the file cannot be written; its filename is `path`.
+    """
     path = Path(path)
     if is_written_in_place(path):
         try:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
+            write(path)
         except OSError as e:  # a full device: the error names no file otherwise
             raise OSError(e.errno, e.strerror, str(path)) from None
         return
@@ -176,7 +187,7 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text, encoding="utf-8")
+        write(tmp)
         if path.exists():
             shutil.copymode(path, tmp)
         os.replace(tmp, path)

@@ -82,3 +82,22 @@ def test_plots_go_to_exactly_the_path_returned(tmp_path):
     plot_attention(np.eye(2), ["a", "b"], ["c", "d"], tmp_path / "bare", title="t")
     assert (tmp_path / "bare").read_bytes()[:8] == PNG_SIGNATURE
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "curves"]
+
+
+def test_an_interrupted_save_leaves_the_old_picture_whole(tmp_path, monkeypatch):
+    # savefig wrote straight into the file: a Ctrl-C in it left half a PNG where a good
+    # one had been (the README's curve is redrawn over its old file).
+    records = [{"step": s, "loss": 5.0 - s, "elapsed_s": 60.0 * s} for s in (1, 2, 3)]
+    path = plot_training_curve(records, tmp_path / "curve.png")
+    old = Path(path).read_bytes()
+    from matplotlib.figure import Figure
+
+    def interrupted(self, fname, **kwargs):
+        Path(fname).write_bytes(PNG_SIGNATURE)  # the first bytes, then the interrupt
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Figure, "savefig", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        plot_training_curve(records[:2], tmp_path / "curve.png")
+    assert Path(path).read_bytes() == old
+    assert [p.name for p in tmp_path.iterdir()] == ["curve.png"]  # no temporary file left

@@ -20,11 +20,22 @@ import matplotlib
 import numpy as np
 from flax import linen as nn
 
+from data.text import write_atomically
+
 matplotlib.use("Agg")  # files only; never needs a display
 
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
 
 _CMAP = "viridis"
+
+
+def _save_png(fig: Any, path: str | os.PathLike, dpi: int) -> None:
+    """Saves `fig` as a PNG at `path` through a temporary file, so that an interrupted
+    save leaves the old picture or none, never half of one; closes the figure."""
+    try:
+        write_atomically(path, lambda f: fig.savefig(f, dpi=dpi, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def cross_attention_weights(
@@ -106,8 +117,7 @@ def plot_attention(
     image = _draw(ax, weights_TS, src_tokens, tgt_tokens, vmax=float(weights_TS.max()) or 1.0)
     fig.colorbar(image, ax=ax, shrink=0.8, label="attention weight")
     ax.set_title(title, fontsize=10)
-    fig.savefig(path, dpi=120, format="png")
-    plt.close(fig)
+    _save_png(fig, path, dpi=120)
 
 
 def plot_attention_heads(
@@ -150,8 +160,7 @@ def plot_attention_heads(
         ax.set_title(f"head {h + 1}", fontsize=10)
     fig.suptitle(title, fontsize=12)
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
-    fig.savefig(path, dpi=100, format="png")
-    plt.close(fig)
+    _save_png(fig, path, dpi=100)
 
 
 def plot_sentence_attention(
@@ -265,6 +274,5 @@ def plot_training_curve(records: Sequence[dict[str, float]], path: str | os.Path
         handles, labels = handles + more_handles, labels + more_labels
     loss_ax.legend(handles, labels, loc="center right")
     loss_ax.set_title(f"{train[-1]['step']:.0f} steps in {train[-1]['elapsed_s'] / 60:.1f} min")
-    fig.savefig(path, dpi=120, format="png")
-    plt.close(fig)
+    _save_png(fig, path, dpi=120)
     return str(path)
