@@ -112,8 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(
             "Flags left out take the workdir's saved settings when resuming, else the defaults "
             "shown. Exit status: 0 done or interrupted, 1 non-finite loss or a failed write "
-            "while training, "
-            "2 bad input, 130 or 143 stopped before training."
+            "while training, 2 bad input, 130 or 143 stopped before training."
         ),
         # Defaults are written into each help as [value]: a left-out flag takes the
         # workdir's saved setting when resuming, so argparse's own defaults are all None.
