@@ -393,14 +393,12 @@ def forget_unchecked_tokenizer(
     import orbax.checkpoint as ocp
 
     from data.tokenizer import TOKENIZER_FILENAME
+    from transformer.checkpoints import name_aside
 
     path = workdir / TOKENIZER_FILENAME
     aside = None
     if path.is_file() and (saved is None or _differences(saved.get("data") or {}, data_cfg)):
-        aside, n = path.with_name(path.name + ".old"), 1
-        while aside.exists():
-            n += 1
-            aside = path.with_name(f"{path.name}.old.{n}")
+        aside = name_aside(path, "old")
         log(f"{path} is not from a run with these data settings: moved to {aside.name}")
         if main_process:
             path.replace(aside)

@@ -146,6 +146,17 @@ def _drop_stray_read_errors() -> None:
         sys.unraisablehook = hook
 
 
+def name_aside(path: Path, suffix: str) -> Path:
+    """The first of `<path>.<suffix>`, `<path>.<suffix>.2`, `<path>.<suffix>.3`, ... that
+    is not taken: where to move `path` aside without overwriting one moved there before."""
+    aside = path.with_name(f"{path.name}.{suffix}")
+    for n in range(2, 1000):
+        if not aside.exists():
+            break
+        aside = path.with_name(f"{path.name}.{suffix}.{n}")
+    return aside
+
+
 def checkpoint_dir(workdir: str | os.PathLike) -> Path:
     """The directory holding the Orbax step directories of `workdir`."""
     return Path(workdir).resolve() / CHECKPOINT_DIR
@@ -565,11 +576,7 @@ class Checkpoints:
           CheckpointError: it cannot be renamed.
         """
         path = Path(ocp.path.step.build_step_path(self.directory, _STEP_NAME_FORMAT, step))
-        aside = path.with_name(f"{path.name}.damaged")
-        for n in range(2, 1000):  # an earlier one of the same step is kept too
-            if not aside.exists():
-                break
-            aside = path.with_name(f"{path.name}.damaged.{n}")
+        aside = name_aside(path, "damaged")  # an earlier one of the same step is kept too
         if jax.process_index() == 0:
             try:
                 path.rename(aside)
