@@ -39,6 +39,7 @@ import numpy as np
 from sacrebleu.metrics import BLEU, CHRF
 
 from data import CorpusSpec, DataError, decode_lines, load_corpus, read_aligned_lines, read_lines
+from data.errors import os_error_line
 from data.text import is_written_in_place, write_text_atomically
 from transformer.checkpoints import CONFIG_FILE, CheckpointError
 from transformer.compilation_cache import persistent_compilation_cache
@@ -395,8 +396,7 @@ def _evaluate(args: argparse.Namespace, load: Callable[[argparse.Namespace], Run
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        message = f"{e.filename}: {e.strerror}" if e.filename else str(e)
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; --output is written only once decoding is done", file=sys.stderr)

@@ -701,6 +701,7 @@ def _run(args: argparse.Namespace, log, stop: threading.Event, training: threadi
 
     import data
     from data import prefetch
+    from data.errors import os_error_line
     from transformer.checkpoints import (
         CONFIG_FILE,
         load_run_config,
@@ -744,7 +745,7 @@ def _run(args: argparse.Namespace, log, stop: threading.Event, training: threadi
         try:
             loaded = load_training_data(workdir, data_cfg, max_len, train_cfg.seed, log)
         except OSError as e:  # an unwritable --workdir, an unreadable data file
-            raise UsageError(f"{e.filename}: {e.strerror}" if e.filename else str(e)) from None
+            raise UsageError(os_error_line(e)) from None
         check_stop_before_training(stop)
         model_cfg = model_config(args, saved, loaded.tokenizer.vocab_size, loaded.tokenizer.pad_id)
         if saved is not None:
@@ -837,6 +838,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: parses flags, trains, maps library errors to `error: ...` lines."""
     args = build_parser().parse_args(argv)
     from data import DataError
+    from data.errors import os_error_line
     from transformer.checkpoints import CheckpointError
     from transformer.compilation_cache import persistent_compilation_cache
     from transformer.host_memory import keep_freed_host_memory
@@ -857,8 +859,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # a --workdir name too long, a full disk: not a usage error
-        message = f"{e.filename}: {e.strerror}" if e.filename else str(e)
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the stop handlers
         print(

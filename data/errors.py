@@ -1,4 +1,4 @@
-"""The one exception type of the input pipeline."""
+"""The input pipeline's exception types, and the one line the CLIs print for an OSError."""
 
 from __future__ import annotations
 
@@ -14,3 +14,8 @@ class DataError(Exception):
 
 class MissingSplitError(DataError):
     """The corpus has no such split (training goes on without validation then)."""
+
+
+def os_error_line(error: OSError) -> str:
+    """An OSError as one line for the user: ``path: reason`` where it names a file."""
+    return f"{error.filename}: {error.strerror}" if error.filename else str(error)
