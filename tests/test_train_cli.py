@@ -94,23 +94,33 @@ def test_without_a_progress_bar_each_log_step_prints_its_loss(slice_dir, tmp_pat
         assert f"loss {record['loss']:.3f}, lr {record['lr']:.2e}, " in line
 
 
+# train.py in a subprocess that compiles its step programs side by side, as on a GPU.
+FORCED_SIDE_BY_SIDE = (
+    "import sys, train; train.compiles_side_by_side = lambda: True; sys.exit(train.main())"
+)
+
+
+def _two_cpu_devices_env() -> dict[str, str]:
+    """A subprocess environment with 2 CPU devices and this checkout importable."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
 def test_step_programs_compiled_side_by_side_train_exactly_as_one_by_one(slice_dir, tmp_path):
     # On a GPU or TPU train.py compiles every step program before the first step; on the
     # CPU it does not, so here that path is forced, on 2 devices with 3 batch shapes and
     # validation, and must not change a number.
     assert not train.compiles_side_by_side()
-    force = "import sys, train; train.compiles_side_by_side = lambda: True; sys.exit(train.main())"
     default = "import sys, train; sys.exit(train.main())"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     extra = ["--steps", "12", "--max-shapes", "3", "--eval-every", "6", "--bleu-every", "12"]
     runs = {}
-    for name, code in (("ahead", force), ("lazy", default)):
+    for name, code in (("ahead", FORCED_SIDE_BY_SIDE), ("lazy", default)):
         flags = _flags(slice_dir, tmp_path / name, *extra, "--bleu-max-sentences", "8")
         done = subprocess.run(
-            [sys.executable, "-c", code, *flags], env=env, capture_output=True, text=True,
-            timeout=300, cwd=ROOT,
+            [sys.executable, "-c", code, *flags], env=_two_cpu_devices_env(), capture_output=True,
+            text=True, timeout=300, cwd=ROOT,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         runs[name] = done.stdout
@@ -145,14 +155,11 @@ def test_validation_programs_are_compiled_ahead_only_when_a_validation_is_due():
 def test_sigterm_while_compiling_ahead_saves_and_exits_without_waiting_for_every_program(
     slice_dir, tmp_path
 ):
-    code = "import sys, train; train.compiles_side_by_side = lambda: True; sys.exit(train.main())"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     args = _flags(
         slice_dir, tmp_path, "--steps", "1000", "--max-shapes", "8", "--eval-every", "500"
     )
     process = subprocess.Popen(
-        [sys.executable, "-c", code, *args], env=env, cwd=ROOT,
+        [sys.executable, "-c", FORCED_SIDE_BY_SIDE, *args], env=_two_cpu_devices_env(), cwd=ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
