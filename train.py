@@ -30,7 +30,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where used, so that --help starts fast
+    from transformer import TransformerConfig
+    from transformer.training import TrainConfig, TrainResult
 
 # Flag name -> (TransformerConfig field, type, help).
 MODEL_FLAGS = {
@@ -695,22 +699,23 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
 
 
-def _run(args: argparse.Namespace, log, stop: threading.Event, training: threading.Event) -> int:
-    """`run`'s work once the stop handlers are in place."""
-    import jax
+@dataclasses.dataclass
+class RunSettings:
+    """A run's workdir and the settings its flags and the workdir's config.json give."""
 
+    workdir: Path
+    saved: dict[str, Any] | None  # the workdir's config.json, None for a new run
+    data: dict[str, Any]
+    train: TrainConfig
+    max_len: int
+
+
+def run_settings(args: argparse.Namespace, log) -> RunSettings:
+    """Reads the workdir's config.json and checks the flags against it, before anything is
+    written: a contradiction or a change a resume cannot take is a UsageError here."""
     import data
-    from data import prefetch
-    from data.errors import os_error_line
-    from transformer.checkpoints import (
-        CONFIG_FILE,
-        load_run_config,
-        record_environment,
-        save_run_config,
-    )
-    from transformer.training import Trainer, with_data_state
+    from transformer.checkpoints import CONFIG_FILE, load_run_config
 
-    main_process = jax.process_index() == 0
     if args.workdir == "":
         raise UsageError("--workdir is empty: name a folder, or leave the flag out")
     workdir = Path(args.workdir) if args.workdir else default_workdir(args)
@@ -740,10 +745,24 @@ def _run(args: argparse.Namespace, log, stop: threading.Event, training: threadi
     model_config(args, saved, data_cfg["vocab_size"], pad_id=0)
     if saved is not None:
         check_resume_matches(workdir, saved, "data", data_cfg)
-    moved_aside = forget_unchecked_tokenizer(workdir, saved, data_cfg, log, main_process)
+    return RunSettings(workdir, saved, data_cfg, train_cfg, max_len)
+
+
+def _run(args: argparse.Namespace, log, stop: threading.Event, training: threading.Event) -> int:
+    """`run`'s work once the stop handlers are in place."""
+    import jax
+
+    from data.errors import os_error_line
+
+    main_process = jax.process_index() == 0
+    settings = run_settings(args, log)
+    workdir, saved = settings.workdir, settings.saved
+    moved_aside = forget_unchecked_tokenizer(workdir, saved, settings.data, log, main_process)
     with removed_if_stopped_before_training(workdir, main_process, training, moved_aside):
         try:
-            loaded = load_training_data(workdir, data_cfg, max_len, train_cfg.seed, log)
+            loaded = load_training_data(
+                workdir, settings.data, settings.max_len, settings.train.seed, log
+            )
         except OSError as e:  # an unwritable --workdir, an unreadable data file
             raise UsageError(os_error_line(e)) from None
         check_stop_before_training(stop)
@@ -752,66 +771,20 @@ def _run(args: argparse.Namespace, log, stop: threading.Event, training: threadi
             check_resume_matches(workdir, saved, "model", model_cfg.to_dict())
         for line in loaded.summary:
             log(line)
-
+        train_cfg = settings.train
         total_steps = train_cfg.steps or train_cfg.epochs * loaded.batcher.batches_per_epoch
-        trainer = Trainer(
+        result = train_loaded(
+            settings,
             model_cfg,
-            train_cfg,
-            workdir,
-            pad_id=loaded.tokenizer.pad_id,
-            log=log,
+            loaded,
+            total_steps,
+            log,
+            stop,
+            training,
             progress=not args.no_progress,
-            is_main_process=main_process,
-            total_steps=total_steps,
         )
-        batches = None
-        try:
-            start = trainer.restore_or_init(loaded.batcher)
-            check_stop_before_training(stop)
-            if start >= total_steps:  # nothing to train; config.json keeps the run's own steps
-                log(
-                    f"already at step {start} of the {total_steps} asked for: nothing to train; "
-                    "pass a larger --steps to go on"
-                )
-                return 0
-            training.set()
-            if main_process:  # only once the checkpoint took these settings
-                sections = {
-                    "model": model_cfg.to_dict(),
-                    "data": data_cfg,
-                    "train": train_cfg.to_dict(),
-                }
-                save_run_config(workdir, {**(saved or {}), **sections})  # keeps "environments"
-            num_params = sum(x.size for x in jax.tree.leaves(trainer.params()))
-            log(
-                f"model: {num_params / 1e6:.2f}M parameters, d_model {model_cfg.d_model}, "
-                f"{model_cfg.num_encoder_layers}+{model_cfg.num_decoder_layers} layers; "
-                f"{jax.device_count()} {jax.devices()[0].platform} device(s) on "
-                f"{jax.process_count()} host(s)"
-            )
-            if start:
-                log(f"resumed from step {start} in {trainer.checkpoints.directory}")
-            if main_process:
-                changes = record_environment(workdir, start)
-                if start and changes:
-                    log(
-                        "warning: resuming with other software than before "
-                        f"({'; '.join(changes)}); training goes on, but will not repeat "
-                        "an uninterrupted run to the last digit"
-                    )
-            trainer.open_metrics()  # its clock counts compiling, whichever way it is done
-            if compiles_side_by_side():
-                compile_step_programs(
-                    trainer, loaded, log, start=start, total_steps=total_steps, stop=stop
-                )
-            batches = prefetch(loaded.batcher, size=2)
-            result = trainer.run(
-                with_data_state(batches), total_steps, loaded.validation, stop_event=stop
-            )
-        finally:
-            if batches is not None:
-                batches.close()
-            trainer.close()
+    if result is None:
+        return 0
     if result.interrupted:
         log(
             f"interrupted at step {result.step}; checkpoint saved in {result.checkpoint_dir}. "
@@ -828,6 +801,88 @@ def _run(args: argparse.Namespace, log, stop: threading.Event, training: threadi
         f"checkpoints in {result.checkpoint_dir}"
     )
     return 0
+
+
+def train_loaded(
+    settings: RunSettings,
+    model_cfg: TransformerConfig,
+    loaded: TrainingData,
+    total_steps: int,
+    log,
+    stop: threading.Event,
+    training: threading.Event,
+    *,
+    progress: bool,
+) -> TrainResult | None:
+    """Restores or initializes the state and trains to `total_steps`; `training` is set, and
+    config.json written, once the loop is about to start. Returns the Trainer's result, or
+    None where the checkpoint has already reached that step."""
+    import jax
+
+    from data import prefetch
+    from transformer.checkpoints import record_environment, save_run_config
+    from transformer.training import Trainer, with_data_state
+
+    workdir, train_cfg = settings.workdir, settings.train
+    main_process = jax.process_index() == 0
+    trainer = Trainer(
+        model_cfg,
+        train_cfg,
+        workdir,
+        pad_id=loaded.tokenizer.pad_id,
+        log=log,
+        progress=progress,
+        is_main_process=main_process,
+        total_steps=total_steps,
+    )
+    batches = None
+    try:
+        start = trainer.restore_or_init(loaded.batcher)
+        check_stop_before_training(stop)
+        if start >= total_steps:  # nothing to train; config.json keeps the run's own steps
+            log(
+                f"already at step {start} of the {total_steps} asked for: nothing to train; "
+                "pass a larger --steps to go on"
+            )
+            return None
+        training.set()
+        if main_process:  # only once the checkpoint took these settings
+            sections = {
+                "model": model_cfg.to_dict(),
+                "data": settings.data,
+                "train": train_cfg.to_dict(),
+            }
+            save_run_config(workdir, {**(settings.saved or {}), **sections})  # keeps "environments"
+        num_params = sum(x.size for x in jax.tree.leaves(trainer.params()))
+        log(
+            f"model: {num_params / 1e6:.2f}M parameters, d_model {model_cfg.d_model}, "
+            f"{model_cfg.num_encoder_layers}+{model_cfg.num_decoder_layers} layers; "
+            f"{jax.device_count()} {jax.devices()[0].platform} device(s) on "
+            f"{jax.process_count()} host(s)"
+        )
+        if start:
+            log(f"resumed from step {start} in {trainer.checkpoints.directory}")
+        if main_process:
+            changes = record_environment(workdir, start)
+            if start and changes:
+                log(
+                    "warning: resuming with other software than before "
+                    f"({'; '.join(changes)}); training goes on, but will not repeat "
+                    "an uninterrupted run to the last digit"
+                )
+        trainer.open_metrics()  # its clock counts compiling, whichever way it is done
+        if compiles_side_by_side():
+            compile_step_programs(
+                trainer, loaded, log, start=start, total_steps=total_steps, stop=stop
+            )
+        batches = prefetch(loaded.batcher, size=2)
+        return trainer.run(
+            with_data_state(batches), total_steps, loaded.validation, stop_event=stop
+        )
+    finally:
+        if batches is not None:
+            batches.close()
+        trainer.close()
 
 
 def _duration(seconds: float) -> str:
