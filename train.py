@@ -424,7 +424,8 @@ def removed_if_stopped_before_training(
     found it. Only what was not there before is removed (and the workdir and the
     folders above it that this run made, where empty again), so a resume's files
     are never touched, and nothing is once `training` is set. `moved_aside`, the
-    tokenizer that `forget_unchecked_tokenizer` moved aside, if any, is put back.
+    tokenizer that `forget_unchecked_tokenizer` moved aside, if any, is put back. A
+    second Ctrl-C while that is done is ignored, so that it is done whole.
     """
     from data.tokenizer import TOKENIZER_FILENAME
     from transformer.checkpoints import checkpoint_dir
@@ -440,22 +441,45 @@ def removed_if_stopped_before_training(
         yield
     except BaseException:
         if main_process and not training.is_set():
-            # Best effort, so that the error that ended the run is the one reported.
-            for path in new:
-                if path.is_dir():
-                    shutil.rmtree(path, ignore_errors=True)
-                elif path.exists():
-                    with contextlib.suppress(OSError):
-                        path.unlink()
-            if moved_aside is not None:
-                with contextlib.suppress(OSError):
-                    moved_aside.replace(workdir / TOKENIZER_FILENAME)
-            for folder in made:
-                try:
-                    folder.rmdir()
-                except OSError:  # not empty: something else wrote there
-                    break
+            # Best effort, so that the error that ended the run is the one reported; a
+            # second Ctrl-C must not cut it short and leave the stray tokenizer aside.
+            with sigint_ignored():
+                _take_back(new, made, workdir, moved_aside)
         raise
+
+
+def _take_back(new: list[Path], made: list[Path], workdir: Path, moved_aside: Path | None):
+    """Removes the `new` paths and the `made` folders, where empty, and puts back the
+    tokenizer moved aside."""
+    from data.tokenizer import TOKENIZER_FILENAME
+
+    for path in new:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists():
+            with contextlib.suppress(OSError):
+                path.unlink()
+    if moved_aside is not None:
+        with contextlib.suppress(OSError):
+            moved_aside.replace(workdir / TOKENIZER_FILENAME)
+    for folder in made:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty: something else wrote there
+            break
+
+
+@contextlib.contextmanager
+def sigint_ignored():
+    """SIGINT is ignored inside (in the main thread; elsewhere it cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def maybe_initialize_distributed(args: argparse.Namespace) -> None:

@@ -10,9 +10,11 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -624,6 +626,41 @@ def test_a_data_error_after_the_tokenizer_is_trained_leaves_the_workdir_as_it_wa
         assert err.startswith("error: no training pairs left") and err.count("\n") == 1
     assert not (tmp_path / "new").exists()  # nor the folder made to hold it
     assert {p.name: p.read_bytes() for p in used.iterdir()} == before
+
+
+def test_a_second_ctrl_c_does_not_cut_short_taking_back_what_the_run_wrote(tmp_path, monkeypatch):
+    # The first stop request ends the run before training; a second Ctrl-C while the run
+    # removes what it wrote (here, as it removes cache/) raised KeyboardInterrupt there and
+    # left the stray tokenizer it had moved aside under its .old name.
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    aside = workdir / "tokenizer.model.old"
+    aside.write_bytes(b"stray")  # as forget_unchecked_tokenizer leaves it
+    rmtree = shutil.rmtree
+
+    def rmtree_during_a_second_ctrl_c(path, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)  # where the SIGINT handler runs
+        rmtree(path, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree_during_a_second_ctrl_c)
+
+    class SecondCtrlC(Exception):
+        """Where train's handler raises KeyboardInterrupt, which would end the test session."""
+
+    def second_ctrl_c(signum, frame):
+        raise SecondCtrlC
+
+    previous = signal.signal(signal.SIGINT, second_ctrl_c)
+    try:
+        with pytest.raises(train.PreTrainingStop):
+            with train.removed_if_stopped_before_training(workdir, True, threading.Event(), aside):
+                (workdir / "cache").mkdir()
+                (workdir / "tokenizer.model").write_bytes(b"trained")
+                raise train.PreTrainingStop("stopped before training started")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert {p.name: p.read_bytes() for p in workdir.iterdir()} == {"tokenizer.model": b"stray"}
 
 
 def test_a_tokenizer_no_run_config_ties_to_the_data_is_moved_aside(
