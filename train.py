@@ -479,7 +479,8 @@ def sigint_ignored():
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        # None: a handler not set from Python, which cannot be put back; Python's own then.
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
 
 
 def maybe_initialize_distributed(args: argparse.Namespace) -> None:
@@ -677,7 +678,8 @@ class StopRequest(threading.Event):
 
 def install_stop_handlers(stop: StopRequest, log, training: threading.Event) -> dict[int, Any]:
     """SIGINT/SIGTERM set `stop`: once `training` is set the loop then saves and exits;
-    before it, `check_stop_before_training` ends the run. A second SIGINT aborts."""
+    before it, `check_stop_before_training` ends the run. A second SIGINT aborts, except
+    while `removed_if_stopped_before_training` takes back what the run wrote."""
 
     def handler(signum, frame):
         if stop.is_set() and signum == signal.SIGINT:
