@@ -303,7 +303,7 @@ class TokenBatcher:
         if len(encoded) == 0:
             raise DataError(
                 "no training pairs left after cleaning and the max_len filter; "
-                "check the data and --max-len"
+                "check the data and max_len (--max-len)"
             )
         if num_devices < 1 or process_count < 1 or not 0 <= process_index < process_count:
             raise DataError(

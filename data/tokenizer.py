@@ -199,9 +199,12 @@ def train_tokenizer(
     except RuntimeError as e:
         message = " ".join(str(e).split())
         if "Vocabulary size too high" in message or "Vocabulary size is too high" in message:
-            advice = "too large for this corpus; choose a smaller --vocab-size"
+            advice = "too large for this corpus; choose a smaller vocab_size (--vocab-size)"
         elif "smaller than required_chars" in message:
-            advice = "too small for the characters of this corpus; choose a larger --vocab-size"
+            advice = (
+                "too small for the characters of this corpus; "
+                "choose a larger vocab_size (--vocab-size)"
+            )
         else:
             raise DataError(f"tokenizer training failed: {message}") from None
         raise DataError(f"vocabulary size {vocab_size} is {advice} ({message})") from None

@@ -73,10 +73,10 @@ def test_load_or_train_reuses_the_run_model(small_corpus, tmp_path):
 
 def test_bad_settings_and_files_are_one_line_errors(small_corpus, tmp_path):
     texts = small_corpus.src[:50]
-    with pytest.raises(data.DataError, match="choose a smaller --vocab-size") as e:
+    with pytest.raises(data.DataError, match=r"choose a smaller vocab_size \(--vocab-size\)") as e:
         data.train_tokenizer(texts, tmp_path / "t.model", vocab_size=8000)
     assert "\n" not in str(e.value)
-    with pytest.raises(data.DataError, match="choose a larger --vocab-size"):
+    with pytest.raises(data.DataError, match=r"choose a larger vocab_size \(--vocab-size\)"):
         data.train_tokenizer(texts, tmp_path / "t.model", vocab_size=100)
     with pytest.raises(data.DataError, match="model type"):
         data.train_tokenizer(texts, tmp_path / "t.model", model_type="wordpiece")

@@ -1,5 +1,6 @@
 """Training math and the Trainer: smoothed loss, schedule, overfitting, non-finite loss stop."""
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -267,6 +268,14 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(
         trainer.run(with_data_state(batcher), 8)
     trainer.close()
     assert "\n" not in str(info.value)
+    # The advice names the TrainConfig fields a library user sets and train.py's flags.
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    for field, flag in [
+        ("learning_rate_scale", "--lr-scale"),
+        ("warmup_steps", "--warmup-steps"),
+        ("grad_clip_norm", "--clip-grad-norm"),
+    ]:
+        assert field in fields and f"{field} ({flag})" in str(info.value)
     assert checkpoint_steps(tmp_path) == [4]
     params, step = restore_params(tmp_path, "last")
     assert step == 4

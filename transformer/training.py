@@ -1106,8 +1106,8 @@ def check_finite_loss(step: int, loss: float) -> None:
     if not math.isfinite(loss):
         raise NonFiniteLossError(
             f"training loss is {loss} at step {step}; stopped without saving this step "
-            "(lower --lr-scale, raise --warmup-steps or set --clip-grad-norm, then resume "
-            "from the last checkpoint)"
+            "(lower learning_rate_scale (--lr-scale), raise warmup_steps (--warmup-steps) or "
+            "set grad_clip_norm (--clip-grad-norm), then resume from the last checkpoint)"
         )
 
 
