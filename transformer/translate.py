@@ -355,15 +355,18 @@ def load_model(workdir: str | os.PathLike) -> tuple[Transformer, Tokenizer, dict
     return Transformer(model_config), tokenizer, config
 
 
-def default_average_last(workdir: str | os.PathLike) -> int:
+def default_average_last(workdir: str | os.PathLike, config: dict | None = None) -> int:
     """How many checkpoints evaluate.py averages by default: the last DEFAULT_AVERAGE_LAST,
     or all the recent ones the run has if fewer.
 
     The run keeps its last `keep_checkpoints` plus the best, which may be far older:
-    the average is of the recent ones only. 0 where the run has no checkpoint.
+    the average is of the recent ones only. 0 where the run has no checkpoint. `config`
+    is the workdir's config.json where the caller has read it already.
     """
     available = len(checkpoints.checkpoint_steps(workdir))
-    train = checkpoints.load_run_config(workdir).get("train") or {}
+    if config is None:
+        config = checkpoints.load_run_config(workdir)
+    train = config.get("train") or {}
     return min(DEFAULT_AVERAGE_LAST, available, train.get("keep_checkpoints") or available)
 
 
@@ -394,7 +397,7 @@ def load_run(
     """
     model, tokenizer, config = load_model(workdir)
     if checkpoint is None and average_last <= 0:
-        average_last = default_average_last(workdir)
+        average_last = default_average_last(workdir, config)
         checkpoint = "last"  # with no checkpoint at all, restore_params says what is missing
     if average_last > 0:
         trees, steps = checkpoints.restore_last(workdir, average_last, log=log)
