@@ -444,15 +444,13 @@ def removed_if_stopped_before_training(
             # Best effort, so that the error that ended the run is the one reported; a
             # second Ctrl-C must not cut it short and leave the stray tokenizer aside.
             with sigint_ignored():
-                _take_back(new, made, workdir, moved_aside)
+                _take_back(new, made, moved_aside, workdir / TOKENIZER_FILENAME)
         raise
 
 
-def _take_back(new: list[Path], made: list[Path], workdir: Path, moved_aside: Path | None):
-    """Removes the `new` paths and the `made` folders, where empty, and puts back the
-    tokenizer moved aside."""
-    from data.tokenizer import TOKENIZER_FILENAME
-
+def _take_back(new: list[Path], made: list[Path], moved_aside: Path | None, tokenizer: Path):
+    """Removes the `new` paths and the `made` folders, where empty, and puts the
+    tokenizer moved aside back at `tokenizer`."""
     for path in new:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
@@ -461,7 +459,7 @@ def _take_back(new: list[Path], made: list[Path], workdir: Path, moved_aside: Pa
                 path.unlink()
     if moved_aside is not None:
         with contextlib.suppress(OSError):
-            moved_aside.replace(workdir / TOKENIZER_FILENAME)
+            moved_aside.replace(tokenizer)
     for folder in made:
         try:
             folder.rmdir()
