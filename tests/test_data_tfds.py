@@ -1,8 +1,12 @@
 """The TFDS path, really exercised offline: a TFDS dataset built from a Multi30k slice."""
 
+import socket
+import time
+
 import pytest
 
 import data
+from data import tfds_source
 
 
 def tfds_spec(folder, tmp_path, **kw):
@@ -76,11 +80,6 @@ def test_edited_files_are_prepared_again(multi30k_slice, tmp_path):
 def test_an_unresolvable_download_host_fails_in_seconds(tmp_path, monkeypatch):
     # Offline, TFDS's downloader retries a host that does not resolve 10 times with
     # backoff (3.4 min) before its error; the one-line error must come in seconds.
-    import socket
-    import time
-
-    from data import tfds_source
-
     lookups = []
 
     def offline(host, *args, **kwargs):
@@ -104,11 +103,6 @@ def test_an_unresolvable_download_host_fails_in_seconds(tmp_path, monkeypatch):
 def test_a_dns_outage_shorter_than_the_limit_is_ridden_out(monkeypatch):
     # A host gives up only after failing for UNRESOLVED_GIVE_UP_S with no success between;
     # overlapping blocks (threads) leave the original resolver in place.
-    import socket
-    import time
-
-    from data import tfds_source
-
     down = {"flaky.test"}
 
     def resolver(host, *args, **kwargs):
