@@ -292,6 +292,9 @@ def test_restore_last_reads_the_newest_k_in_order_and_refuses_what_it_cannot_ave
             np.testing.assert_array_equal(a, b)
     with pytest.raises(CheckpointError, match=r"last 4 checkpoints: .* has 3 \(2, 3, 4\)"):
         restore_last(tmp_path, 4)
+    for k in (0, -1):  # steps[-0:] would be all of them, steps[1:] all but the oldest
+        with pytest.raises(ValueError, match=f"must be at least 1; got {k}"):
+            restore_last(tmp_path, k)
     with pytest.raises(CheckpointError, match=r"no checkpoints in .*missing"):
         restore_last(tmp_path / "never_trained", 1)
     # Averaging never skips a damaged checkpoint silently: the average would be another one.

@@ -97,6 +97,26 @@ def test_empty_and_blank_lines_give_empty_outputs(setup):
     assert translate(model, params, tokenizer, [], max_extra_len=MAX_EXTRA_LEN) == []
 
 
+def test_a_source_id_outside_the_vocabulary_is_an_error_not_garbage(setup):
+    model, params, tokenizer, _ = setup  # one embedded as NaN, a negative one wrapped around
+    vocab = tokenizer.vocab_size
+    for bad in (vocab, -3):
+        src_ids = [[5, 6, tokenizer.eos_id], [], [5, bad, tokenizer.eos_id]]
+        with pytest.raises(
+            ValueError, match=rf"src_ids\[2\] holds id {bad}, outside .*\[0, {vocab}\)"
+        ):
+            translate_ids(
+                model,
+                params,
+                src_ids,
+                bos_id=tokenizer.bos_id,
+                eos_id=tokenizer.eos_id,
+                pad_id=tokenizer.pad_id,
+                greedy=True,
+                max_extra_len=MAX_EXTRA_LEN,
+            )
+
+
 def test_one_string_instead_of_a_list_is_a_type_error(setup):
     model, params, tokenizer, sentences = setup  # it translated each character as a sentence
     with pytest.raises(TypeError, match="pass \\[sentence\\]"):

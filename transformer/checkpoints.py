@@ -764,9 +764,12 @@ def restore_last(
       `restore_params` returns it, and their steps, ascending.
 
     Raises:
+      ValueError: `k` is below 1.
       CheckpointError: no checkpoint directory, fewer than `k` checkpoints, or
         one cannot be read.
     """
+    if k < 1:
+        raise ValueError(f"k, the number of checkpoints to read, must be at least 1; got {k!r}")
     # One manager lists the steps once and reads all k of them.
     with Checkpoints(workdir, read_only=True, log=log) as ckpts:
         steps = ckpts.steps()

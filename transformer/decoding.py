@@ -46,7 +46,8 @@ _NEG_INF = -jnp.inf
 def length_penalty(length: jax.Array | int, alpha: float) -> jax.Array:
     """GNMT length penalty lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al., 2016, eq. 14).
 
-    Beam search ranks finished hypotheses by log P(Y | X) / lp(Y).
+    Beam search ranks finished hypotheses by log P(Y | X) / lp(Y), where P is the
+    model's distribution with the padding token left out (it is never generated).
 
     Args:
       length: hypothesis length(s) in tokens, end token included.
@@ -248,7 +249,9 @@ def greedy_search(
     Args:
       model: the encoder-decoder module (static: hashable, e.g. `Transformer(config)`).
       params: its parameters.
-      src_BS: int source ids [batch, src_len], `pad_id` on the right.
+      src_BS: int source ids [batch, src_len], `pad_id` on the right, each in [0,
+        vocab_size): not checked here, where they are traced (an id past the vocabulary
+        embeds as NaN); `translate.translate_ids` checks them.
       bos_id: start token fed to the decoder first (from the tokenizer).
       eos_id: end token (from the tokenizer).
       pad_id: padding token; never generated.
@@ -339,7 +342,9 @@ def beam_search(
     Args:
       model: the encoder-decoder module (static: hashable, e.g. `Transformer(config)`).
       params: its parameters.
-      src_BS: int source ids [batch, src_len], `pad_id` on the right.
+      src_BS: int source ids [batch, src_len], `pad_id` on the right, each in [0,
+        vocab_size): not checked here, where they are traced (an id past the vocabulary
+        embeds as NaN); `translate.translate_ids` checks them.
       bos_id: start token fed to the decoder first (from the tokenizer).
       eos_id: end token (from the tokenizer).
       pad_id: padding token; never generated.
@@ -354,8 +359,8 @@ def beam_search(
       (tokens [batch, L] int32, L = min(src_len + max_extra_len, max_len): the
        best hypothesis without the start token, the end token included where
        one was produced, then `pad_id`;
-       scores [batch] float32: its log P(Y | X) / lp(|Y|), -inf for a sentence
-       whose limit allows no token).
+       scores [batch] float32: its log P(Y | X) / lp(|Y|), P renormalized without
+       the padding token, -inf for a sentence whose limit allows no token).
     """
     _check_search_arguments(model, src_BS, bos_id, eos_id, pad_id, beam_size)
     batch, beams = src_BS.shape[0], beam_size

@@ -143,6 +143,22 @@ def search_programs(
     return programs
 
 
+def _check_ids(sources: list[np.ndarray], indices: list[int], vocab_size: int | None) -> None:
+    """Raises ValueError naming the first sentence with an id outside [0, vocab_size)."""
+    if vocab_size is None or not sources:
+        return
+    every = np.concatenate(sources)
+    if every.min() >= 0 and every.max() < vocab_size:
+        return
+    for i, ids in zip(indices, sources, strict=True):
+        bad = ids[(ids < 0) | (ids >= vocab_size)]
+        if bad.size:
+            raise ValueError(
+                f"src_ids[{i}] holds id {bad[0]}, outside the model's vocabulary [0, "
+                f"{vocab_size}): encode the sources with the tokenizer the model was trained with"
+            )
+
+
 def translate_ids(
     model: nn.Module,
     params: Any,
@@ -163,8 +179,9 @@ def translate_ids(
     Args:
       model: the encoder-decoder module.
       params: its parameters.
-      src_ids: per sentence, its source ids `x + [eos]`; an empty sequence
-        (an empty input line) is not decoded and gives an empty output.
+      src_ids: per sentence, its source ids `x + [eos]`, each in [0, vocab_size);
+        an empty sequence (an empty input line) is not decoded and gives an empty
+        output.
       bos_id: start token.
       eos_id: end token.
       pad_id: padding token.
@@ -178,17 +195,23 @@ def translate_ids(
 
     Returns:
       Per sentence, the output ids without the end token.
+
+    Raises:
+      ValueError: a source id outside the model's vocabulary, which would embed as NaN
+        (or wrap around, if negative) and decode to garbage.
     """
     params = jax.device_put(params)  # once, not on every batch's call
     outputs: list[list[int]] = [[] for _ in src_ids]
     todo = [i for i, ids in enumerate(src_ids) if len(ids)]
+    sources = [np.asarray(src_ids[i], np.int64) for i in todo]
+    _check_ids(sources, todo, getattr(getattr(model, "config", None), "vocab_size", None))
     options = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, max_extra_len=max_extra_len)
     if not greedy:
         options.update(beam_size=beam_size, alpha=alpha)
     batches = [
         (indices, pad_batch_rows(src_bS))
         for indices, src_bS in decoding_batches(
-            [np.asarray(src_ids[i], np.int32) for i in todo], max_tokens=max_tokens, pad_id=pad_id
+            [ids.astype(np.int32) for ids in sources], max_tokens=max_tokens, pad_id=pad_id
         )
     ]
     programs = search_programs(
