@@ -42,7 +42,7 @@ from data import CorpusSpec, DataError, decode_lines, load_corpus, read_aligned_
 from data.errors import os_error_line
 from data.text import is_written_in_place, write_text_atomically
 from transformer.checkpoints import CONFIG_FILE, CheckpointError
-from transformer.compilation_cache import persistent_compilation_cache
+from transformer.compilation_cache import EMPTY_CACHE_FLAG, persistent_compilation_cache
 from transformer.translate import (
     DEFAULT_AVERAGE_LAST,
     Run,
@@ -142,7 +142,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # and the cache's is worked out when it is used).
     for name in ("checkpoint", "average_last", "compilation_cache"):
         setattr(args, name, getattr(args, name, None))
+    if args.compilation_cache == "":  # would be the current folder
+        p.error(EMPTY_CACHE_FLAG)
     return args
+
+
+def _is_step(text: str) -> bool:
+    """A step number in ASCII digits (`str.isdigit` also takes "²", which `int` refuses)."""
+    return text.isascii() and text.isdigit()
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -169,7 +176,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("--average-last must be at least 1")
     if args.checkpoint is not None and args.average_last is not None:
         raise UsageError("give --checkpoint (one checkpoint) or --average-last K, not both")
-    if args.checkpoint not in (None, "best", "last") and not args.checkpoint.isdigit():
+    if args.checkpoint not in (None, "best", "last") and not _is_step(args.checkpoint):
         raise UsageError(
             f"--checkpoint must be 'best', 'last' or a step number, not {args.checkpoint!r}"
         )
@@ -197,6 +204,12 @@ def load_sources_and_references(
             "put the files back there or score them with --src-file and --ref-file"
         )
     corpus = load_corpus(spec, args.split, clean=False)
+    for path, side in ((corpus.src_path, "source"), (corpus.tgt_path, "reference")):
+        if args.output and path and Path(path).resolve() == Path(args.output).resolve():
+            raise UsageError(
+                f"--output {args.output} is split {args.split}'s {side} file; "
+                "name another file, or it would be overwritten"
+            )
     if not corpus.src:
         files = f" ({corpus.src_path} and {corpus.tgt_path})" if corpus.src_path else ""
         raise DataError(f"split {args.split} is empty{files}: nothing to score")
@@ -257,6 +270,8 @@ def plot_curve(workdir: str, path: str) -> int:
     from transformer import visualize
     from transformer.training import read_metrics
 
+    if Path(workdir).exists() and not Path(workdir).is_dir():
+        raise UsageError(f"--workdir {workdir} is a file, not a directory")
     if not Path(workdir).is_dir():
         raise UsageError(f"--workdir {workdir} does not exist; train into it with train.py first")
     try:
@@ -328,7 +343,7 @@ def _load_run(args: argparse.Namespace) -> Run:
     DEFAULT_AVERAGE_LAST checkpoints, or of all the recent ones if the run has fewer.
     """
     if args.checkpoint is not None:
-        which = int(args.checkpoint) if args.checkpoint.isdigit() else args.checkpoint
+        which = int(args.checkpoint) if _is_step(args.checkpoint) else args.checkpoint
         return load_run(args.workdir, checkpoint=which)
     if args.average_last is not None:
         return load_run(args.workdir, average_last=args.average_last)

@@ -915,13 +915,17 @@ def _duration(seconds: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parses flags, trains, maps library errors to `error: ...` lines."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from data import DataError
     from data.errors import os_error_line
     from transformer.checkpoints import CheckpointError
-    from transformer.compilation_cache import persistent_compilation_cache
+    from transformer.compilation_cache import EMPTY_CACHE_FLAG, persistent_compilation_cache
     from transformer.host_memory import keep_freed_host_memory
     from transformer.training import NonFiniteLossError
+
+    if args.compilation_cache == "":  # would be the current folder
+        parser.error(EMPTY_CACHE_FLAG)
 
     keep_freed_host_memory()  # before the first computation starts XLA's threads
     cache = persistent_compilation_cache(

@@ -64,9 +64,9 @@ def url(split: str, lang: str) -> str:
 
 def _offline_hint(directory: Path) -> str:
     return (
-        "if you are offline, pass --data-dir pointing at a folder with the Multi30k files "
-        "named {train,val,test2016}.{lang} (plain text, one sentence per line), "
-        f"or place them in {directory}"
+        "if you are offline, place the Multi30k files, named {train,val,test2016}.{lang} "
+        f"(plain text, one sentence per line), in {directory}, or give train.py a folder of "
+        "them with --data-dir (evaluate.py scores such files with --src-file and --ref-file)"
     )
 
 
@@ -129,7 +129,7 @@ def download(split: str, lang: str, directory: Path) -> Path:
             raise DataError(
                 f"checksum mismatch for Multi30k {name} downloaded from {source} "
                 f"(sha256 {sha.hexdigest()[:16]}..., expected {SHA256[name][:16]}...); "
-                "the file was discarded, retry later or pass --data-dir with verified files"
+                f"the file was discarded; retry later, or place verified files in {directory}"
             )
         os.replace(tmp_name, directory / name)
     finally:

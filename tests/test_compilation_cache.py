@@ -99,6 +99,19 @@ def test_train_py_warns_of_an_unusable_directory_on_stderr_and_trains(
     assert len(warnings) == 1 and str(blocker / "xla") in warnings[0]
 
 
+def test_an_empty_directory_name_is_refused_not_the_current_folder(tmp_path, monkeypatch, capsys):
+    # Path("") is "."; the cache's files were written into the folder the command ran in.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="directory is empty"):
+        with persistent_compilation_cache(""):
+            pass
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--workdir", str(tmp_path / "run"), "--compilation-cache", ""])
+    assert exit_.value.code == 2
+    assert "--compilation-cache is empty" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_default_directory(monkeypatch, tmp_path):
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     monkeypatch.setenv("TRANSFORMER_MT_CACHE", str(tmp_path / "root"))

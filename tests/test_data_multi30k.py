@@ -162,9 +162,10 @@ def test_offline_without_cache_says_how_to_use_data_dir(cache, monkeypatch):
     with pytest.raises(data.DataError) as e:
         data.load_corpus(data.CorpusSpec(), "train")
     message = str(e.value)
-    assert (
-        "\n" not in message and "--data-dir" in message and "Name or service not known" in message
-    )
+    assert "\n" not in message and "Name or service not known" in message
+    # Advice for both commands: evaluate.py has no --data-dir.
+    assert f"in {cache}, or give train.py a folder of them with --data-dir" in message
+    assert "evaluate.py scores such files with --src-file and --ref-file" in message
     assert list(cache.iterdir()) == []
 
 

@@ -277,6 +277,9 @@ def test_training_curve_path_errors_name_the_path(name, message, workdir, tmp_pa
         (["--workdir", "{workdir}", "--split", "val", "--average-last", "0"], "at least 1"),
         (["--workdir", "{workdir}", "--split", "val", "--alpha", "nan"], "finite number >= 0"),
         (["--workdir", "{workdir}", "--split", "val", "--alpha", "-1"], "finite number >= 0"),
+        (["--workdir", "{workdir}", "--split", "val", "--checkpoint", "\u00b2"], "a step number"),
+        (["--workdir", "{src}", "--split", "val"], "workdir {src} is a file, not a directory"),
+        (["--workdir", "{src}", "--plot-curve", "{ref}.png"], "{src} is a file, not a directory"),
     ],
     ids=[
         "missing-workdir",
@@ -290,6 +293,9 @@ def test_training_curve_path_errors_name_the_path(name, message, workdir, tmp_pa
         "avg-0",
         "alpha-nan",
         "alpha-negative",
+        "checkpoint-superscript-digit",
+        "workdir-is-a-file",
+        "curve-workdir-is-a-file",
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(argv, message, workdir, tmp_path, capsys):
@@ -413,6 +419,30 @@ def test_output_onto_an_input_file_is_refused_before_decoding(flag, tmp_path, ca
     err = capsys.readouterr().err
     assert code == 2 and f"is the {flag} file" in err and err.count("\n") == 1, err
     assert src.read_text() == "a\n" and ref.read_text() == "b\n"
+
+
+@pytest.mark.parametrize("lang", ["en", "de"])
+def test_output_onto_a_file_of_the_split_is_refused_before_decoding(lang, tmp_path, capsys):
+    # It overwrote the references, and the next evaluation scored BLEU 100.
+    for name, text in (("test2016.en", "a\n"), ("test2016.de", "b\n")):
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    run = SimpleNamespace(config={"data": {"dataset": "files", "data_dir": str(tmp_path)}})
+    target = tmp_path / f"test2016.{lang}"
+    argv = ["--workdir", tmp_path, "--split", "test2016", "--output", target]
+    code = evaluate.main([str(a) for a in argv], load=lambda args: run)
+    err = capsys.readouterr().err
+    side = "source" if lang == "en" else "reference"
+    assert code == 2 and f"is split test2016's {side} file" in err and err.count("\n") == 1, err
+    assert (tmp_path / "test2016.en").read_text() == "a\n"
+    assert (tmp_path / "test2016.de").read_text() == "b\n"
+
+
+def test_an_empty_compilation_cache_flag_is_a_usage_error(capsys):
+    # Path("") is the current folder: the cache's files were written there.
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.parse_args(["--workdir", "w", "--split", "val", "--compilation-cache", ""])
+    assert exit_.value.code == 2
+    assert "--compilation-cache is empty" in capsys.readouterr().err
 
 
 def test_default_average_leaves_out_a_best_kept_from_long_before(tmp_path, monkeypatch):

@@ -190,6 +190,8 @@ def load_run_config(workdir: str | os.PathLike) -> dict[str, Any]:
       CheckpointError: the workdir or its config.json is missing or unreadable.
     """
     path = Path(workdir) / CONFIG_FILE
+    if Path(workdir).exists() and not Path(workdir).is_dir():
+        raise CheckpointError(f"workdir {workdir} is a file, not a directory")
     if not Path(workdir).is_dir():
         raise CheckpointError(
             f"workdir {workdir} does not exist; train into it with train.py first"

@@ -51,6 +51,12 @@ def _set(directory: str | None, max_bytes: int) -> None:
     compilation_cache.reset_cache()
 
 
+EMPTY_CACHE_FLAG = (
+    "--compilation-cache is empty: name a folder, leave the flag out for the default, "
+    "or use --no-compilation-cache"
+)
+
+
 @contextlib.contextmanager
 def persistent_compilation_cache(
     directory: str | os.PathLike | None = None,
@@ -70,6 +76,8 @@ def persistent_compilation_cache(
       The cache directory in use, or None. On exit the previous setting is restored, so a
       caller in the same process (a test, a notebook) sees no lasting change.
     """
+    if directory is not None and os.fspath(directory) == "":
+        raise ValueError("the compilation cache directory is empty; pass None for the default")
     previous = (
         jax.config.values["jax_compilation_cache_dir"],
         jax.config.values["jax_compilation_cache_max_size"],
