@@ -33,6 +33,8 @@ import dataclasses
 import hashlib
 import math
 import os
+import sys
+import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -96,6 +98,31 @@ def _unflatten(flat: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
     return np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else []
 
 
+def _read_cached(path: Path, max_len: int | None) -> EncodedCorpus | None:
+    """The encoded corpus kept in `path`, or None (with a warning) if it cannot be read:
+    the cache is disposable, so a damaged file is made again, not an error."""
+    try:
+        with np.load(path) as z:
+            src_flat, src_len, tgt_flat, tgt_len = (z[k] for k in _CACHED_ARRAYS)
+            num_too_long = int(z["num_too_long"])
+        if src_len.sum() != len(src_flat) or tgt_len.sum() != len(tgt_flat):
+            raise ValueError("its lengths do not add up to its ids")
+        if len(src_len) != len(tgt_len):
+            raise ValueError("it has unequal numbers of sources and targets")
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        print(f"warning: tokenizing again: {path} cannot be read ({e})", file=sys.stderr)
+        return None
+    return EncodedCorpus(
+        src=_unflatten(src_flat, src_len),
+        tgt=_unflatten(tgt_flat, tgt_len),
+        num_too_long=num_too_long,
+        max_len=max_len,
+    )
+
+
+_CACHED_ARRAYS = ("src", "src_len", "tgt", "tgt_len")
+
+
 def encode_corpus(
     tokenizer,
     corpus,
@@ -123,13 +150,9 @@ def encode_corpus(
     if cache_dir is not None:
         path = Path(cache_dir) / f"encoded-{_corpus_key(tokenizer, corpus, max_len)[:32]}.npz"
         if path.is_file():
-            with np.load(path) as z:
-                return EncodedCorpus(
-                    src=_unflatten(z["src"], z["src_len"]),
-                    tgt=_unflatten(z["tgt"], z["tgt_len"]),
-                    num_too_long=int(z["num_too_long"]),
-                    max_len=max_len,
-                )
+            cached = _read_cached(path, max_len)
+            if cached is not None:
+                return cached
     eos = np.array([tokenizer.eos_id], np.int32)
     src_ids = tokenizer.encode_batch(corpus.src)
     tgt_ids = tokenizer.encode_batch(corpus.tgt)

@@ -98,6 +98,38 @@ def test_token_cache_is_reused_and_invalidated(multi30k_tokenizer, multi30k_slic
     assert len(list(cache.glob("encoded-*.npz"))) == 4
 
 
+@pytest.mark.parametrize("damage", ["truncated", "empty", "lengths"])
+def test_a_damaged_token_cache_is_made_again_with_a_warning(
+    damage, multi30k_tokenizer, multi30k_slice, tmp_path, capsys
+):
+    # The cache is disposable (README): a damaged file was a BadZipFile traceback.
+    tok = multi30k_tokenizer
+    spec = data.CorpusSpec(dataset="files", data_dir=str(multi30k_slice(n=50, splits=("train",))))
+    corpus = data.load_corpus(spec, "train")
+    cache = tmp_path / "cache"
+    first = data.encode_corpus(tok, corpus, max_len=64, cache_dir=cache)
+    (path,) = cache.glob("encoded-*.npz")
+    if damage == "lengths":  # a readable file whose arrays disagree
+        with np.load(path) as z:
+            arrays = dict(z)
+        arrays["src_len"] = arrays["src_len"] + 1
+        with open(path, "wb") as f:
+            np.savez(f, **arrays)
+    else:
+        path.write_bytes(path.read_bytes()[:100] if damage == "truncated" else b"")
+    again = data.encode_corpus(tok, corpus, max_len=64, cache_dir=cache)
+    assert [a.tolist() for a in again.src + again.tgt] == [
+        a.tolist() for a in first.src + first.tgt
+    ]
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"warning: tokenizing again: {path} cannot be read") and err.count("\n") == 1
+    )
+    # Written again whole: the next call reads it without a warning.
+    data.encode_corpus(tok, corpus, max_len=64, cache_dir=cache)
+    assert capsys.readouterr().err == ""
+
+
 # --- shapes and padding on full Multi30k ---
 
 
