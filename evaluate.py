@@ -39,7 +39,7 @@ import numpy as np
 from sacrebleu.metrics import BLEU, CHRF
 
 from data import CorpusSpec, DataError, decode_lines, load_corpus, read_aligned_lines, read_lines
-from data.errors import os_error_line
+from data.errors import os_error_line, out_of_memory_line
 from data.text import is_written_in_place, write_text_atomically
 from transformer.checkpoints import CONFIG_FILE, CheckpointError
 from transformer.compilation_cache import EMPTY_CACHE_FLAG, persistent_compilation_cache
@@ -413,6 +413,12 @@ def _evaluate(args: argparse.Namespace, load: Callable[[argparse.Namespace], Run
     except OSError as e:
         print(f"error: {os_error_line(e)}", file=sys.stderr)
         return 2
+    except Exception as e:
+        line = out_of_memory_line(e, "lower --max-tokens, --beam or --max-extra-len")
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted; --output is written only once decoding is done", file=sys.stderr)
         return 130

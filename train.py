@@ -913,12 +913,19 @@ def _duration(seconds: float) -> str:
     return time.strftime("%H:%M:%S", time.gmtime(seconds))
 
 
+OUT_OF_MEMORY_ADVICE = (
+    "lower --max-tokens (the batch), or choose a smaller model (--preset, --d-model, --d-ff, "
+    "--num-encoder-layers, --num-decoder-layers); a run that was training resumes from its "
+    "last checkpoint"
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parses flags, trains, maps library errors to `error: ...` lines."""
     parser = build_parser()
     args = parser.parse_args(argv)
     from data import DataError
-    from data.errors import os_error_line
+    from data.errors import os_error_line, out_of_memory_line
     from transformer.checkpoints import CheckpointError
     from transformer.compilation_cache import EMPTY_CACHE_FLAG, persistent_compilation_cache
     from transformer.host_memory import keep_freed_host_memory
@@ -943,6 +950,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except OSError as e:  # a --workdir name too long, a full disk: not a usage error
         print(f"error: {os_error_line(e)}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        line = out_of_memory_line(e, OUT_OF_MEMORY_ADVICE)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the stop handlers
         print(

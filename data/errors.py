@@ -1,4 +1,5 @@
-"""The input pipeline's exception types, and the one line the CLIs print for an OSError."""
+"""The input pipeline's exception types, and the one line the CLIs print for an OSError
+or for running out of memory."""
 
 from __future__ import annotations
 
@@ -19,3 +20,16 @@ class MissingSplitError(DataError):
 def os_error_line(error: OSError) -> str:
     """An OSError as one line for the user: ``path: reason`` where it names a file."""
     return f"{error.filename}: {error.strerror}" if error.filename else str(error)
+
+
+def out_of_memory_line(error: BaseException, advice: str) -> str | None:
+    """One line for host memory (MemoryError) or accelerator memory (XLA's RESOURCE_EXHAUSTED)
+    running out, ending with `advice`; None for any other error."""
+    if isinstance(error, MemoryError):
+        return f"out of host memory ({error}); {advice}"
+    text = str(error)
+    if type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and text.startswith(
+        "RESOURCE_EXHAUSTED"
+    ):
+        return f"out of memory ({text.splitlines()[0][:200]}); {advice}"
+    return None

@@ -498,3 +498,13 @@ def test_a_run_with_no_checkpoint_yet_says_so(workdir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: no checkpoints in {run / 'checkpoints'}; train with train.py")
     assert err.count("\n") == 1
+
+
+def test_running_out_of_memory_while_decoding_names_the_flags(tmp_path, capsys):
+    def load(args):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 bytes.")
+
+    code = evaluate.main(["--workdir", str(tmp_path), "--split", "val"], load=load)
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith("error: out of memory (RESOURCE_EXHAUSTED") and "--beam" in err

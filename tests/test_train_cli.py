@@ -707,3 +707,34 @@ def test_a_token_budget_below_the_fewest_rows_a_batch_has_is_a_warning(
     assert warning.endswith(
         f"up to {largest} padded tokens; --max-tokens {largest} or more keeps to it"
     )
+
+
+@pytest.mark.parametrize(
+    "error, start",
+    [
+        (MemoryError("Unable to allocate 35.0 GiB"), "error: out of host memory (Unable to"),
+        (
+            jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 bytes."),
+            "error: out of memory (RESOURCE_EXHAUSTED: Out of memory allocating 9 bytes.)",
+        ),
+    ],
+    ids=["host", "device"],
+)
+def test_running_out_of_memory_is_one_line_that_names_the_flags(error, start, monkeypatch, capsys):
+    def run(args):
+        raise error
+
+    monkeypatch.setattr(train, "run", run)
+    assert train.main(["--workdir", "unused"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(start) and err.count("\n") == 1, err
+    assert "lower --max-tokens" in err
+
+
+def test_other_errors_are_not_taken_for_running_out_of_memory(monkeypatch):
+    def run(args):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    monkeypatch.setattr(train, "run", run)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        train.main(["--workdir", "unused"])
