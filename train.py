@@ -926,7 +926,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from data import DataError
     from data.errors import os_error_line, out_of_memory_line
-    from transformer.checkpoints import CheckpointError
+    from transformer.checkpoints import CheckpointError, silence_orbax_logs
     from transformer.compilation_cache import EMPTY_CACHE_FLAG, persistent_compilation_cache
     from transformer.host_memory import keep_freed_host_memory
     from transformer.training import NonFiniteLossError
@@ -935,6 +935,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(EMPTY_CACHE_FLAG)
 
     keep_freed_host_memory()  # before the first computation starts XLA's threads
+    silence_orbax_logs()  # a failed checkpoint write is one error line (CheckpointError)
     cache = persistent_compilation_cache(
         args.compilation_cache,
         enabled=not args.no_compilation_cache,

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from data.errors import DataError
-from data.text import NORMALIZATION_VERSION
+from data.text import NORMALIZATION_VERSION, write_atomically
 
 DEFAULT_MAX_LEN = 128  # tokens including eos; longer training pairs are dropped and counted
 DEFAULT_MAX_SHAPES = 12
@@ -165,20 +165,15 @@ def encode_corpus(
         tgt.append(np.concatenate([np.asarray(y, np.int32), eos]))
     encoded = EncodedCorpus(src=src, tgt=tgt, num_too_long=too_long, max_len=max_len)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         src_flat, src_len = _flatten(src)
         tgt_flat, tgt_len = _flatten(tgt)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            np.savez(
-                f,
-                src=src_flat,
-                src_len=src_len,
-                tgt=tgt_flat,
-                tgt_len=tgt_len,
-                num_too_long=too_long,
-            )
-        os.replace(tmp, path)
+        arrays = dict(src=src_flat, src_len=src_len, tgt=tgt_flat, tgt_len=tgt_len)
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as f:  # a file object: given a path, np.savez adds ".npz"
+                np.savez(f, **arrays, num_too_long=too_long)
+
+        write_atomically(path, write)  # no half-written file is left by a full disk
     return encoded
 
 

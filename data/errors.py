@@ -3,6 +3,8 @@ or for running out of memory."""
 
 from __future__ import annotations
 
+import errno
+
 
 class DataError(Exception):
     """Bad or missing input data.
@@ -18,8 +20,12 @@ class MissingSplitError(DataError):
 
 
 def os_error_line(error: OSError) -> str:
-    """An OSError as one line for the user: ``path: reason`` where it names a file."""
-    return f"{error.filename}: {error.strerror}" if error.filename else str(error)
+    """An OSError as one line for the user: ``path: reason`` where it names a file, and
+    what to do where the disk is full."""
+    line = f"{error.filename}: {error.strerror}" if error.filename else str(error)
+    if error.errno == errno.ENOSPC:
+        line += "; make room there and run the same command again (training resumes)"
+    return line
 
 
 def out_of_memory_line(error: BaseException, advice: str) -> str | None:

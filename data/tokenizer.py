@@ -33,6 +33,7 @@ import numpy as np
 import sentencepiece as spm
 
 from data.errors import DataError
+from data.text import write_atomically
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3  # set at training; read them from Tokenizer elsewhere
 MODEL_TYPES = ("bpe", "unigram")
@@ -209,10 +210,8 @@ def train_tokenizer(
             raise DataError(f"tokenizer training failed: {message}") from None
         raise DataError(f"vocabulary size {vocab_size} is {advice} ({message})") from None
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(model.getvalue())
-    os.replace(tmp, path)
+    # Through a temporary file that a failed write (a full disk) does not leave behind.
+    write_atomically(path, lambda tmp: tmp.write_bytes(model.getvalue()))
     return Tokenizer(model.getvalue(), path)
 
 

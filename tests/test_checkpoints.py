@@ -14,7 +14,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from transformer import Transformer, TransformerConfig
+from transformer import Transformer, TransformerConfig, checkpoints
 from transformer.checkpoints import (
     CheckpointError,
     Checkpoints,
@@ -399,3 +399,42 @@ def test_environment_changes_name_what_differs():
         f"jaxlib {before['packages']['jaxlib']} -> 9.9.9",
         f"code {before['code']} -> abc",
     ]
+
+
+@pytest.mark.parametrize("when", ["save", "wait"])
+def test_a_failed_write_is_one_line_that_says_how_to_resume(when, tmp_path, params, monkeypatch):
+    # A full disk: Orbax raised TensorStore's ValueError, hundreds of lines into its logs.
+    full = ValueError(
+        'RESOURCE_EXHAUSTED: Error writing "x" in OCDBT database at local file "...": '
+        "No space left on device [os_error_code='28']"
+    )
+    ckpts = Checkpoints(tmp_path, async_save=True)
+
+    def fail(*args, **kwargs):
+        raise full
+
+    monkeypatch.setattr(ckpts._manager, "save" if when == "save" else "wait_until_finished", fail)
+    with pytest.raises(CheckpointError) as info:
+        ckpts.save(1, params, _OPT, {})
+        ckpts.wait()
+    message = str(info.value)
+    assert message.startswith(f"cannot write a checkpoint in {tmp_path / 'checkpoints'}: no space")
+    assert message.endswith("run the same command to resume from the last checkpoint")
+    assert "\n" not in message and info.value.__cause__ is full
+    monkeypatch.undo()
+    ckpts.close()
+
+
+def test_the_log_filter_drops_orbaxs_records_and_asyncios_about_its_tasks():
+    import logging
+
+    def record(name, path, message):
+        return logging.LogRecord(name, logging.ERROR, path, 1, message, None, None)
+
+    orbax_file = str(Path(ocp.__file__).parent / "checkpoint_manager.py")
+    assert not checkpoints._not_from_orbax(record("absl", orbax_file, "save failed"))
+    assert not checkpoints._not_from_orbax(
+        record("asyncio", "/x/asyncio/base_events.py", "Task exception: /orbax/ ...")
+    )
+    assert checkpoints._not_from_orbax(record("absl", "/x/transformer/model.py", "other"))
+    assert checkpoints._not_from_orbax(record("asyncio", "/x/base_events.py", "other task"))

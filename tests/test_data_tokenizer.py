@@ -88,3 +88,26 @@ def test_bad_settings_and_files_are_one_line_errors(small_corpus, tmp_path):
     (tmp_path / "empty.model").write_bytes(b"")  # was reported as "pad id -1, expected 0"
     with pytest.raises(data.DataError, match="is empty, not a SentencePiece model; delete it"):
         data.Tokenizer.load(tmp_path / "empty.model")
+
+
+def test_a_full_disk_leaves_no_half_written_tokenizer(small_corpus, tmp_path, monkeypatch):
+    import errno
+    import pathlib
+
+    from data.errors import os_error_line
+
+    def full(self, content):  # part of the file, then the disk is full
+        with open(self, "wb") as f:
+            f.write(content[:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_bytes", full)
+    path = tmp_path / "run" / "tokenizer.model"
+    texts = small_corpus.src + small_corpus.tgt
+    with pytest.raises(OSError) as info:
+        data.train_tokenizer(texts, path, vocab_size=400, model_type="bpe")
+    assert list(path.parent.iterdir()) == []  # the temporary file was removed too
+    assert os_error_line(info.value) == (
+        f"{path}: No space left on device; make room there and run the same command again "
+        "(training resumes)"
+    )

@@ -102,6 +102,43 @@ def _quiet_orbax() -> Iterator[None]:
         logger.setLevel(level)
 
 
+def _not_from_orbax(record: logging.LogRecord) -> bool:
+    """A logging filter: False for Orbax's records and for asyncio's about Orbax's tasks."""
+    if "/orbax/" in record.pathname.replace(os.sep, "/"):
+        return False
+    return not (record.name == "asyncio" and "orbax" in record.getMessage())
+
+
+def silence_orbax_logs() -> None:
+    """Drops Orbax's log records, and asyncio's about its tasks, for the rest of the process.
+
+    For command-line programs: when a background save fails (a full disk), Orbax's
+    threads log the failure with tracebacks, hundreds of lines in all, and asyncio logs
+    its unretrieved task errors at exit; `Checkpoints` raises the failure as a one-line
+    CheckpointError, which the program prints.
+    """
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(_not_from_orbax)  # a no-op when it is on already
+
+
+@contextlib.contextmanager
+def _write_errors(directory: Path) -> Iterator[None]:
+    """Turns a failed checkpoint write (a full disk: Orbax raises TensorStore's ValueError,
+    or an OSError) into a one-line CheckpointError that says how to go on."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as e:
+        text = str(e)
+        reason = "no space left on device" if "No space left" in text else _first_line(e)
+        raise CheckpointError(
+            f"cannot write a checkpoint in {directory}: {reason}; make room there (or fix "
+            "what stops the write), then run the same command to resume from the last "
+            "checkpoint"
+        ) from e
+
+
 def _is_stray_read_error(unraisable: Any) -> bool:
     """Whether an unraisable exception is a late read of a failed restore calling its closed loop.
 
@@ -476,7 +513,7 @@ class Checkpoints:
             meta=ocp.args.JsonSave({**meta, "step": int(step)}),
         )
         metrics = None if val_bleu is None else {BEST_METRIC: float(val_bleu)}
-        with _quiet_orbax():
+        with _quiet_orbax(), _write_errors(self.directory):
             self._manager.save(step, args=args, metrics=metrics, force=True)
 
     def check_compatible(self, step: int, params_like: PyTree) -> None:
@@ -600,11 +637,12 @@ class Checkpoints:
 
     def wait(self) -> None:
         """Blocks until a background save has finished."""
-        self._manager.wait_until_finished()
+        with _write_errors(self.directory):
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
         """Finishes pending saves and releases the manager."""
-        with _quiet_orbax():
+        with _quiet_orbax(), _write_errors(self.directory):
             self._manager.wait_until_finished()
             self._manager.close()
 

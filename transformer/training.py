@@ -624,9 +624,19 @@ class MetricsLog:
 
     def close(self) -> None:
         """Flushes the TensorBoard writer."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        try:
+            writer.close()
+        except OSError:
+            # A full disk: tensorboardX would flush again at exit and print a traceback
+            # there; the error is raised here, once, so mark its file writers closed.
+            for file_writer in (getattr(writer, "all_writers", None) or {}).values():
+                event_writer = getattr(file_writer, "event_writer", None)
+                if hasattr(event_writer, "_closed"):
+                    event_writer._closed = True
+            raise
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
@@ -1020,9 +1030,11 @@ class Trainer:
 
     def close(self) -> None:
         """Finishes checkpoint writes and closes the logs."""
-        if self._metrics is not None:
-            self._metrics.close()
-        self.checkpoints.close()
+        try:
+            if self._metrics is not None:
+                self._metrics.close()
+        finally:  # a log that cannot be flushed (a full disk) still lets the save finish
+            self.checkpoints.close()
 
 
 class _StepMetrics:
