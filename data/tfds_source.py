@@ -214,6 +214,11 @@ def _prepare(builder: Any, label: str) -> None:
         ) from None
     except Exception as e:  # noqa: BLE001  network, manual-download and disk errors surface as many types
         reason = " ".join(str(e).split())[:300] or type(e).__name__
+        if "No examples were yielded" in reason:  # not a download: empty files of a folder
+            raise DataError(
+                f"TFDS found no sentence pairs for {label} ({reason}); "
+                "each split's {split}.{lang} files need at least one line"
+            ) from None
         raise DataError(
             f"TFDS could not download/prepare {label}: {reason}; if offline, use --dataset files "
             "--data-dir with {split}.{lang} text files, or --tfds-data-dir with a prepared copy"

@@ -130,3 +130,18 @@ def test_a_dns_outage_shorter_than_the_limit_is_ridden_out(monkeypatch):
     assert socket.getaddrinfo is not resolver
     second.__exit__(None, None, None)
     assert socket.getaddrinfo is resolver
+
+
+def test_a_folder_with_empty_files_is_no_download_error(tmp_path):
+    # Before: "TFDS could not download/prepare ...; if offline, ..." for local files.
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for split in ("train", "val"):
+        for lang in ("en", "de"):
+            (folder / f"{split}.{lang}").write_bytes(b"")
+    spec = tfds_spec(folder, tmp_path)
+    with pytest.raises(data.DataError) as e:
+        data.load_corpus(spec, "train")
+    message = str(e.value)
+    assert message.startswith(f"TFDS found no sentence pairs for {folder} (as a TFDS dataset)")
+    assert "offline" not in message and "\n" not in message

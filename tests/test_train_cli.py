@@ -430,6 +430,12 @@ def test_contradicting_data_flags_are_an_error_before_anything_is_written(tmp_pa
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "--tfds-name wmt14_translate/de-en is for --dataset tfds" in result.stderr
     assert not (tmp_path / "run").exists()
+    # And --tfds-data-dir with the files dataset (before: silently not read).
+    result = _cli("--workdir", str(tmp_path / "run"), "--dataset", "files", "--data-dir",
+                  str(tmp_path), "--tfds-data-dir", str(tmp_path / "tfds"))  # fmt: skip
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert f"--tfds-data-dir {tmp_path / 'tfds'} is for --dataset tfds, not files" in result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_training_split_cleaning_empties_is_a_one_line_error(slice_dir, tmp_path, capsys):
