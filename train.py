@@ -412,6 +412,61 @@ def forget_unchecked_tokenizer(
     return aside
 
 
+LOCK_FILE = "train.lock"
+
+
+@contextlib.contextmanager
+def workdir_locked(workdir: Path, enabled: bool = True):
+    """Holds an exclusive lock on the workdir while the run uses it, so that a second
+    train.py started in the same workdir stops with an error instead of training over
+    the first one's checkpoints, tokenizer and logs.
+
+    The lock is `flock` on `LOCK_FILE` in the workdir, which holds the pid of the run;
+    the kernel releases it when the process ends, however it ends, so a killed run's
+    file does not block the next. The file (and the workdir, if this made it and it is
+    empty again) is removed when the run ends. Where `fcntl` is missing (Windows) the
+    run goes on without a lock.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None
+    if not enabled or fcntl is None:
+        yield
+        return
+    made = []  # the folders made to reach the workdir, innermost first
+    folder = workdir.absolute()
+    while not folder.exists() and folder != folder.parent:
+        made.append(folder)
+        folder = folder.parent
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / LOCK_FILE
+    with open(path, "a+", encoding="utf-8") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "unknown"
+            raise UsageError(
+                f"another train.py (process {holder}) is training in {workdir}; let it finish "
+                "or stop it (Ctrl-C saves a checkpoint), or use another --workdir"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            for folder in made:
+                try:
+                    folder.rmdir()
+                except OSError:  # not empty: the run's files are there
+                    break
+
+
 @contextlib.contextmanager
 def removed_if_stopped_before_training(
     workdir: Path, main_process: bool, training: threading.Event, moved_aside: Path | None
@@ -776,10 +831,23 @@ def _run(args: argparse.Namespace, log, stop: threading.Event, training: threadi
     """`run`'s work once the stop handlers are in place."""
     import jax
 
-    from data.errors import os_error_line
-
     main_process = jax.process_index() == 0
     settings = run_settings(args, log)
+    with workdir_locked(settings.workdir, enabled=main_process):
+        return _run_locked(args, settings, main_process, log, stop, training)
+
+
+def _run_locked(
+    args: argparse.Namespace,
+    settings: RunSettings,
+    main_process: bool,
+    log,
+    stop: threading.Event,
+    training: threading.Event,
+) -> int:
+    """`_run`'s work while it holds the workdir's lock."""
+    from data.errors import os_error_line
+
     workdir, saved = settings.workdir, settings.saved
     moved_aside = forget_unchecked_tokenizer(workdir, saved, settings.data, log, main_process)
     with removed_if_stopped_before_training(workdir, main_process, training, moved_aside):

@@ -744,3 +744,23 @@ def test_other_errors_are_not_taken_for_running_out_of_memory(monkeypatch):
     monkeypatch.setattr(train, "run", run)
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         train.main(["--workdir", "unused"])
+
+
+def test_a_second_run_in_a_workdir_in_use_is_refused_and_writes_nothing(
+    slice_dir, tmp_path, capsys
+):
+    # Before, it trained over the first run's checkpoints, tokenizer and metrics.
+    run = tmp_path / "a" / "run"
+    with train.workdir_locked(run):  # as the first run holds it
+        assert (run / train.LOCK_FILE).read_text() == f"{os.getpid()}\n"
+        assert train.main(_flags(slice_dir, run, "--steps", "1")) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: another train.py (process {os.getpid()}) is training in")
+        assert err.count("\n") == 1 and str(run) in err
+        assert [p.name for p in run.iterdir()] == [train.LOCK_FILE]
+    assert not (tmp_path / "a").exists()  # the folders it made, empty again, are removed
+    # A lock file that no process holds (a killed run's) does not stop the next run.
+    run.mkdir(parents=True)
+    (run / train.LOCK_FILE).write_text("999999\n")
+    assert train.main(_flags(slice_dir, run, "--steps", "1")) == 0
+    assert checkpoint_steps(run) == [1] and not (run / train.LOCK_FILE).exists()
