@@ -427,6 +427,8 @@ def workdir_locked(workdir: Path, enabled: bool = True):
     empty again) is removed when the run ends. Where `fcntl` is missing (Windows) the
     run goes on without a lock.
     """
+    from data.errors import os_error_line
+
     try:
         import fcntl
     except ImportError:
@@ -439,9 +441,13 @@ def workdir_locked(workdir: Path, enabled: bool = True):
     while not folder.exists() and folder != folder.parent:
         made.append(folder)
         folder = folder.parent
-    workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / LOCK_FILE
-    with open(path, "a+", encoding="utf-8") as lock:
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        lock = open(path, "a+", encoding="utf-8")  # closed by the `with` below
+    except OSError as e:  # a --workdir under a file, or in a folder that cannot be written
+        raise UsageError(os_error_line(e)) from None
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -808,6 +814,11 @@ def run_settings(args: argparse.Namespace, log) -> RunSettings:
     data_cfg = data_settings(args, saved)
     # Contradicting data flags are an error before anything is written.
     data.CorpusSpec.from_settings(data_cfg).check()
+    if args.tfds_data_dir and data_cfg["dataset"] != "tfds":  # else silently not read
+        raise UsageError(
+            f"--tfds-data-dir {args.tfds_data_dir} is for --dataset tfds, not "
+            f"{data_cfg['dataset']}; add --dataset tfds or drop --tfds-data-dir"
+        )
     train_cfg = train_config(args, saved)
     if saved is not None:  # the seed drew the checkpoint's data order and dropout keys
         saved_seed = (saved.get("train") or {}).get("seed", train_cfg.seed)

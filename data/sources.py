@@ -69,11 +69,6 @@ class CorpusSpec:
                 f"--tfds-name {self.tfds_name} is for --dataset tfds, not {self.dataset}; "
                 "add --dataset tfds or drop --tfds-name"
             )
-        if self.dataset != "tfds" and self.tfds_data_dir:
-            raise DataError(
-                f"--tfds-data-dir {self.tfds_data_dir} is for --dataset tfds, not "
-                f"{self.dataset}; add --dataset tfds or drop --tfds-data-dir"
-            )
         if self.tfds_name and self.data_dir:
             raise DataError(
                 f"--data-dir {self.data_dir} is not read with --tfds-name {self.tfds_name} "
