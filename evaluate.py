@@ -268,7 +268,7 @@ def plot_attention(
 def plot_curve(workdir: str, path: str) -> int:
     """Draws the run's training curve from metrics.jsonl; returns the exit status."""
     from transformer import visualize
-    from transformer.training import read_metrics
+    from transformer.training import METRICS_FILE, read_metrics
 
     if Path(workdir).exists() and not Path(workdir).is_dir():
         raise UsageError(f"--workdir {workdir} is a file, not a directory")
@@ -279,6 +279,11 @@ def plot_curve(workdir: str, path: str) -> int:
     except ValueError as e:
         raise UsageError(f"--plot-curve {e}") from None
     _check_can_create("--plot-curve", path, png.parent)
+    if not any((Path(workdir) / name).is_file() for name in (CONFIG_FILE, METRICS_FILE)):
+        raise UsageError(
+            f"{workdir} has no {CONFIG_FILE} or {METRICS_FILE}; is it a workdir written by "
+            "train.py?"
+        )
     try:
         visualize.plot_training_curve(read_metrics(workdir), png)
     except ValueError as e:

@@ -69,20 +69,21 @@ def export_revision(revision: str, into: Path, position: int) -> Path:
 
 @contextlib.contextmanager
 def imported_from(folder: Path) -> Iterator[None]:
-    """Imports within the block resolve this project's modules from `folder`."""
+    """Imports within the block resolve this project's modules from `folder`; the ones
+    imported before it are put back after it (so that a caller's modules stay its own)."""
 
-    def forget() -> None:
-        for name in list(sys.modules):
-            if name.split(".")[0] in _OWN_MODULES:
-                del sys.modules[name]
+    def own() -> list[str]:
+        return [name for name in sys.modules if name.split(".")[0] in _OWN_MODULES]
 
-    forget()
+    before = {name: sys.modules.pop(name) for name in own()}
     sys.path.insert(0, str(folder))
     try:
         yield
     finally:
         sys.path.remove(str(folder))
-        forget()
+        for name in own():
+            del sys.modules[name]
+        sys.modules.update(before)
 
 
 def build_step(
@@ -135,18 +136,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
+    for name in ("rounds", "rows", "length"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    if args.warmup < 0:
+        parser.error("--warmup cannot be negative (the first step, compiling, is never timed)")
 
     with imported_from(REPO):
         importlib.import_module("transformer.host_memory").keep_freed_host_memory()
         if args.vocab_size is None:
             args.vocab_size = importlib.import_module("train").DATA_DEFAULTS["vocab_size"]
+        train_speed = importlib.import_module("benchmarks.train_speed")
+        train_speed.check_preset_names(parser, "--preset", [args.preset])
+        train_speed.check_step_shape_arguments(parser, args)
 
     with tempfile.TemporaryDirectory() as tmp:
+        # Both exported first, so that a bad revision fails before anything is compiled.
+        folders = [
+            export_revision(revision, Path(tmp), position)
+            for position, revision in enumerate(args.revisions)
+        ]
+        for revision, folder in zip(args.revisions, folders, strict=True):
+            if not (folder / "benchmarks" / "train_speed.py").is_file():
+                parser.error(
+                    f"{revision} has no benchmarks/train_speed.py, which builds the step; "
+                    "compare revisions of this repository from when it had one"
+                )
         runs = []
-        for position, revision in enumerate(args.revisions):
-            folder = export_revision(revision, Path(tmp), position)
+        for revision, folder in zip(args.revisions, folders, strict=True):
             start = time.perf_counter()
             run = build_step(
                 folder, args.preset, args.vocab_size, args.rows, args.length, args.warmup

@@ -80,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     def encode(tokenizer, corpus, *, max_len=data.batching.DEFAULT_MAX_LEN, cache_dir=None):
         if max_len is None:  # validation (train.py never truncates it): deterministic
             return encode_corpus(tokenizer, corpus, max_len=max_len, cache_dir=cache_dir)
+        if tokenizer.model_type != "bpe":  # unigram sampling is another method, alpha another knob
+            raise data.DataError(
+                f"BPE-dropout needs the BPE tokenizer; this run's is {tokenizer.model_type} "
+                "(drop --tokenizer-type, or use another --workdir)"
+            )
         sampled = encode_sampled_copies(
             tokenizer, corpus, args.copies, args.alpha, max_len=max_len, cache_dir=cache_dir
         )

@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("beam", "max_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.alpha < float("inf"):  # NaN fails too
+        p.error(f"--alpha must be a finite number >= 0, got {args.alpha}")
     if args.limit < 0 or args.max_extra_len < 0:
         p.error("--limit and --max-extra-len cannot be negative")
     unknown = [m for m in args.modes if m not in MODES]

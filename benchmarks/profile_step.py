@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.top < 1:
+        parser.error("--top must be at least 1")
     check_step_shape_arguments(parser, args)
     if args.preset is not None:
         check_preset_names(parser, "--preset", [args.preset])

@@ -133,11 +133,14 @@ def add_step_shape_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_step_shape_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Exits with a usage error where a size of `add_step_shape_arguments` is below 1."""
+    """Exits with a usage error where a size of `add_step_shape_arguments` is below 1, or
+    the vocabulary has no id past the four special ones (the batch draws ids 4..)."""
     for name in ("vocab_size", "rows", "src_len", "tgt_len"):
-        value = getattr(args, name)
+        value = getattr(args, name, None)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.vocab_size is not None and args.vocab_size < 5:
+        parser.error("--vocab-size must be at least 5 (ids 0-3 are padding, unknown, start, end)")
 
 
 def check_preset_names(parser: argparse.ArgumentParser, flag: str, names: list[str]) -> None:
@@ -261,6 +264,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     check_step_shape_arguments(parser, args)
+    if args.matmul_size < 1:
+        parser.error("--matmul-size must be at least 1")
+    if Path(args.data_dir).is_dir():  # checked before the timing, not after it
+        import data
+
+        spec = data.CorpusSpec(dataset="files", data_dir=args.data_dir, src="en", tgt="de")
+        try:
+            data.load_corpus(spec, "train")
+        except data.DataError as e:
+            parser.error(f"--data-dir: {e}")
     keep_freed_host_memory()  # before the first computation starts XLA's threads
     if args.rows is None:  # 2048 // (16 + 16) = 64 with the defaults
         args.rows = default_rows(args.src_len, args.tgt_len)

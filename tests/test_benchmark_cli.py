@@ -65,6 +65,8 @@ def test_train_speed_needs_a_timed_step(capsys):
         (["--beam", "0"], "error: --beam must be at least 1"),
         (["--max-tokens", "0"], "error: --max-tokens must be at least 1"),
         (["--limit", "-3"], "error: --limit and --max-extra-len cannot be negative"),
+        (["--alpha", "nan"], "error: --alpha must be a finite number >= 0, got nan"),
+        (["--alpha", "-5"], "error: --alpha must be a finite number >= 0, got -5.0"),
     ],
 )
 def test_decode_speed_rejects_sizes_it_cannot_decode_with(capsys, argv, message):
@@ -98,3 +100,41 @@ def test_ab_step_names_a_revision_git_does_not_know_and_exits_2(tmp_path, capsys
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: git archive nosuchrev: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "main, argv, message",
+    [
+        (ab_step.main, ["HEAD", "HEAD", "--rows", "0"], "--rows must be at least 1"),
+        (ab_step.main, ["HEAD", "HEAD", "--length", "-1"], "--length must be at least 1"),
+        (ab_step.main, ["HEAD", "HEAD", "--warmup", "-1"], "--warmup cannot be negative"),
+        (ab_step.main, ["HEAD", "HEAD", "--preset", "bogus"], "--preset: unknown preset 'bogus'"),
+        (ab_step.main, ["HEAD", "HEAD", "--vocab-size", "4"], "--vocab-size must be at least 5"),
+        (train_speed.main, ["--vocab-size", "2"], "--vocab-size must be at least 5"),
+        (train_speed.main, ["--matmul-size", "0"], "--matmul-size must be at least 1"),
+        (profile_step.main, ["--vocab-size", "4"], "--vocab-size must be at least 5"),
+        (profile_step.main, ["--top", "-1"], "--top must be at least 1"),
+    ],
+)
+def test_sizes_a_step_benchmark_cannot_run_with_are_usage_errors(capsys, main, argv, message):
+    # Each was a traceback after compiling (or a silently wrong figure: --warmup -1 timed
+    # the compile as a step).
+    assert message in usage_error(main, argv, capsys)
+
+
+def test_train_speed_checks_the_data_folder_before_timing(tmp_path, capsys):
+    (tmp_path / "val.en").write_text("a\n")  # a folder, but without a train split
+    line = usage_error(train_speed.main, ["--presets", "tiny", "--data-dir", str(tmp_path)], capsys)
+    assert "error: --data-dir: no split 'train'" in line
+
+
+@pytest.mark.skipif(not in_git_checkout(), reason="needs the git checkout's history")
+def test_ab_step_refuses_a_revision_without_the_step_benchmark(capsys):
+    first = subprocess.run(
+        ["git", "-C", str(ab_step.REPO), "rev-list", "--max-parents=0", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()[0]  # the first commit, from before benchmarks/train_speed.py
+    line = usage_error(ab_step.main, [first, "HEAD", "--preset", "tiny"], capsys)
+    assert f"error: {first} has no benchmarks/train_speed.py" in line

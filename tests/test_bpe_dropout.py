@@ -45,3 +45,16 @@ def test_trains_on_the_copies_and_puts_encode_corpus_back(multi30k_slice, tmp_pa
     dropped = int(re.search(rf"data: {pairs} pairs encoded, (\d+) longer than", out)[1])
     assert pairs + dropped == 2 * kept
     assert data.encode_corpus is bpe_dropout.encode_corpus
+
+
+def test_a_unigram_tokenizer_is_an_error_not_another_method(multi30k_slice, tmp_path, capsys):
+    # Before: unigram sampling ran and was reported as BPE-dropout.
+    flags = [
+        "--copies", "2", "--workdir", str(tmp_path / "run"), "--dataset", "files",
+        "--data-dir", str(multi30k_slice(n=100)), "--preset", "tiny", "--vocab-size", "400",
+        "--tokenizer-type", "unigram", "--steps", "1", "--no-progress",
+    ]  # fmt: skip
+    assert bpe_dropout.main(flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: BPE-dropout needs the BPE tokenizer; this run's is unigram")
+    assert not (tmp_path / "run").exists() and data.encode_corpus is bpe_dropout.encode_corpus

@@ -201,8 +201,9 @@ def test_training_curve_is_drawn_from_metrics(workdir, tmp_path, capsys):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     pixels = mpimg.imread(path)
     assert min(pixels.shape[:2]) > 300 and pixels.std() > 0.05
-    empty = tmp_path / "fresh_run"
+    empty = tmp_path / "fresh_run"  # its config written, no record logged yet
     empty.mkdir()
+    shutil.copy(workdir / "config.json", empty / "config.json")
     code, _, err = _run(["--workdir", empty, "--plot-curve", path], capsys)
     assert code == 2 and "no training records" in err
 
@@ -280,6 +281,10 @@ def test_training_curve_path_errors_name_the_path(name, message, workdir, tmp_pa
         (["--workdir", "{workdir}", "--split", "val", "--checkpoint", "\u00b2"], "a step number"),
         (["--workdir", "{src}", "--split", "val"], "workdir {src} is a file, not a directory"),
         (["--workdir", "{src}", "--plot-curve", "{ref}.png"], "{src} is a file, not a directory"),
+        (
+            ["--workdir", "{empty_dir}", "--plot-curve", "{ref}.png"],
+            "{empty_dir} has no config.json or metrics.jsonl; is it a workdir written by",
+        ),
     ],
     ids=[
         "missing-workdir",
@@ -296,6 +301,7 @@ def test_training_curve_path_errors_name_the_path(name, message, workdir, tmp_pa
         "checkpoint-superscript-digit",
         "workdir-is-a-file",
         "curve-workdir-is-a-file",
+        "curve-workdir-without-metrics",
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(argv, message, workdir, tmp_path, capsys):
@@ -305,7 +311,9 @@ def test_user_errors_are_one_line_and_exit_2(argv, message, workdir, tmp_path, c
     empty_src, empty_ref = tmp_path / "empty.en", tmp_path / "empty.de"
     empty_src.write_bytes(b"")
     empty_ref.write_bytes(b"")
+    (tmp_path / "empty_dir").mkdir()
     paths = dict(
+        empty_dir=tmp_path / "empty_dir",
         missing=tmp_path / "nope",
         workdir=workdir,
         src=src,
