@@ -27,7 +27,9 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data.errors import os_error_line  # noqa: E402
 from transformer.checkpoints import (  # noqa: E402
+    CONFIG_FILE,
     CheckpointError,
     checkpoint_dir,
     checkpoint_steps,
@@ -54,6 +56,8 @@ def fork(source: Path, destination: Path, step: int, dropout_key: int | None = N
     source = Path(source).resolve()  # as checkpoint_dir is, so the copy can tell it
     if not source.is_dir():
         raise ValueError(f"workdir {source} does not exist")
+    if not (source / CONFIG_FILE).is_file():
+        raise ValueError(f"{source} has no {CONFIG_FILE}: it is not a workdir written by train.py")
     checkpoints = checkpoint_dir(source)
     steps = checkpoint_steps(source)
     if step not in steps:
@@ -61,9 +65,13 @@ def fork(source: Path, destination: Path, step: int, dropout_key: int | None = N
     if destination.exists():
         raise ValueError(f"{destination} exists; give a new directory")
     later = {str(s) for s in steps if s > step}
-    shutil.copytree(
-        source, destination, ignore=lambda d, names: later if Path(d) == checkpoints else []
-    )
+    try:
+        shutil.copytree(
+            source, destination, ignore=lambda d, names: later if Path(d) == checkpoints else []
+        )
+    except (OSError, shutil.Error):  # no half copy is left to be mistaken for a fork
+        shutil.rmtree(destination, ignore_errors=True)
+        raise
     if dropout_key is not None:
         key = seed_keys(dropout_key)[1]
         update_meta(destination, step, {"rng": [int(x) for x in jax.device_get(key).ravel()]})
@@ -79,8 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         kept = fork(args.source, args.destination, args.step, args.dropout_key)
-    except (ValueError, OSError, CheckpointError) as e:
+    except (ValueError, CheckpointError, shutil.Error) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
         return 2
     print(f"{args.destination}: checkpoints {kept[0]}..{kept[-1]}; resume it with train.py")
     return 0

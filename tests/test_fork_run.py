@@ -79,6 +79,10 @@ def test_a_fork_resumes_to_the_base_run_and_a_changed_fork_differs(
 
 def test_fork_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "run" / "checkpoints" / "4").mkdir(parents=True)
+    # A folder that is no workdir: it was "has no checkpoint 4 (it has [])".
+    assert fork_main([str(tmp_path / "run"), str(tmp_path / "fork"), "--step", "4"]) == 2
+    assert "has no config.json: it is not a workdir written by train.py" in capsys.readouterr().err
+    (tmp_path / "run" / "config.json").write_text("{}")
     assert fork_main([str(tmp_path / "run"), str(tmp_path / "fork"), "--step", "8"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "no checkpoint 8" in err
@@ -102,3 +106,24 @@ def test_soup_refuses_workdirs_it_cannot_average_in_one_line(tmp_path, capsys, m
     np.testing.assert_array_equal(same["w"], np.zeros((2, 3)))
     with pytest.raises(CheckpointError, match="not shaped like a's"):
         soup.soup_params([Path("a"), Path("b")], 2)
+
+
+def test_a_copy_that_fails_leaves_no_half_fork(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    (tmp_path / "run" / "checkpoints" / "4").mkdir(parents=True)
+    (tmp_path / "run" / "config.json").write_text("{}")
+    monkeypatch.setattr("benchmarks.fork_run.checkpoint_steps", lambda workdir: [4])
+
+    def copy_then_fail(src, dst, **kwargs):
+        (Path(dst) / "part").mkdir(parents=True)
+        raise OSError(28, "No space left on device", str(dst))
+
+    monkeypatch.setattr(shutil, "copytree", copy_then_fail)
+    assert fork_main([str(tmp_path / "run"), str(tmp_path / "fork"), "--step", "4"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"error: {tmp_path / 'fork'}: No space left on device")
+        and err.count("\n") == 1
+    )
+    assert not (tmp_path / "fork").exists()
