@@ -457,6 +457,12 @@ def workdir_locked(workdir: Path, enabled: bool = True):
                 f"another train.py (process {holder}) is training in {workdir}; let it finish "
                 "or stop it (Ctrl-C saves a checkpoint), or use another --workdir"
             ) from None
+        except OSError as e:  # a file system without locks (some network ones): train anyway
+            print(
+                f"warning: cannot lock {path} ({e.strerror}); nothing stops a second run "
+                "in this workdir",
+                file=sys.stderr,
+            )
         lock.seek(0)
         lock.truncate()
         lock.write(f"{os.getpid()}\n")

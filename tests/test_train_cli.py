@@ -764,3 +764,22 @@ def test_a_second_run_in_a_workdir_in_use_is_refused_and_writes_nothing(
     (run / train.LOCK_FILE).write_text("999999\n")
     assert train.main(_flags(slice_dir, run, "--steps", "1")) == 0
     assert checkpoint_steps(run) == [1] and not (run / train.LOCK_FILE).exists()
+
+
+def test_a_file_system_without_locks_trains_with_a_warning(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    run = tmp_path / "run"
+    with train.workdir_locked(run):
+        assert (run / train.LOCK_FILE).is_file()
+    err = capsys.readouterr().err
+    assert err == (
+        f"warning: cannot lock {run / train.LOCK_FILE} (No locks available); nothing stops a "
+        "second run in this workdir\n"
+    )
+    assert not run.exists()
