@@ -412,6 +412,26 @@ def forget_unchecked_tokenizer(
     return aside
 
 
+def folders_to_make(workdir: Path) -> list[Path]:
+    """The folders that do not exist yet on the way to `workdir` (it included), innermost
+    first: what a run that makes it should remove again if it leaves them empty."""
+    made = []
+    folder = workdir.absolute()
+    while not folder.exists() and folder != folder.parent:
+        made.append(folder)
+        folder = folder.parent
+    return made
+
+
+def remove_while_empty(folders: list[Path]) -> None:
+    """Removes `folders` in order (innermost first) up to the first that is not empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty: something else wrote there
+            break
+
+
 LOCK_FILE = "train.lock"
 
 
@@ -436,11 +456,7 @@ def workdir_locked(workdir: Path, enabled: bool = True):
     if not enabled or fcntl is None:
         yield
         return
-    made = []  # the folders made to reach the workdir, innermost first
-    folder = workdir.absolute()
-    while not folder.exists() and folder != folder.parent:
-        made.append(folder)
-        folder = folder.parent
+    made = folders_to_make(workdir)
     path = workdir / LOCK_FILE
     try:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -472,11 +488,7 @@ def workdir_locked(workdir: Path, enabled: bool = True):
         finally:
             with contextlib.suppress(OSError):
                 path.unlink()
-            for folder in made:
-                try:
-                    folder.rmdir()
-                except OSError:  # not empty: the run's files are there
-                    break
+            remove_while_empty(made)
 
 
 @contextlib.contextmanager
@@ -497,11 +509,7 @@ def removed_if_stopped_before_training(
     from data.tokenizer import TOKENIZER_FILENAME
     from transformer.checkpoints import checkpoint_dir
 
-    made = []  # the folders this run will make to reach the workdir, innermost first
-    folder = workdir.absolute()
-    while not folder.exists() and folder != folder.parent:
-        made.append(folder)
-        folder = folder.parent
+    made = folders_to_make(workdir)
     paths = (workdir / TOKENIZER_FILENAME, workdir / CACHE_DIR, checkpoint_dir(workdir))
     new = [path for path in paths if not path.exists()]
     try:
@@ -527,11 +535,7 @@ def _take_back(new: list[Path], made: list[Path], moved_aside: Path | None, toke
     if moved_aside is not None:
         with contextlib.suppress(OSError):
             moved_aside.replace(tokenizer)
-    for folder in made:
-        try:
-            folder.rmdir()
-        except OSError:  # not empty: something else wrote there
-            break
+    remove_while_empty(made)
 
 
 @contextlib.contextmanager
