@@ -894,6 +894,7 @@ def _run_locked(
             log,
             stop,
             training,
+            main_process=main_process,
             progress=not args.no_progress,
         )
     if result is None:
@@ -925,11 +926,13 @@ def train_loaded(
     stop: threading.Event,
     training: threading.Event,
     *,
+    main_process: bool,
     progress: bool,
 ) -> TrainResult | None:
     """Restores or initializes the state and trains to `total_steps`; `training` is set, and
-    config.json written, once the loop is about to start. Returns the Trainer's result, or
-    None where the checkpoint has already reached that step."""
+    config.json written (by the `main_process` only), once the loop is about to start.
+    Returns the Trainer's result, or None where the checkpoint has already reached that
+    step."""
     import jax
 
     from data import prefetch
@@ -937,7 +940,6 @@ def train_loaded(
     from transformer.training import Trainer, with_data_state
 
     workdir, train_cfg = settings.workdir, settings.train
-    main_process = jax.process_index() == 0
     trainer = Trainer(
         model_cfg,
         train_cfg,
