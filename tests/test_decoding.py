@@ -168,12 +168,21 @@ def _exhaustive_best(model, params, src, vocab_size: int, limits: list[int], alp
         token_logp = np.take_along_axis(logp, tgt_out[..., None], axis=-1)[..., 0]
         lengths = np.array([len(y) for y in outputs])
         real = np.arange(limit)[None, :] < lengths[:, None]
-        scores = np.where(real, token_logp, 0.0).sum(axis=1) / np.asarray(
-            length_penalty(lengths, alpha)
-        )
+        # GNMT's length penalty, written out: the search must use this formula.
+        scores = np.where(real, token_logp, 0.0).sum(axis=1) / ((5.0 + lengths) / 6.0) ** alpha
         i = int(np.argmax(scores))
         best.append((tgt_out[i], scores[i]))
     return best
+
+
+def test_length_penalty_is_gnmts():
+    # Wu et al. (2016), ((5 + |Y|) / 6) ** alpha; evaluate.py's alpha was tuned for it.
+    lengths = np.array([1, 7, 30])
+    for alpha in (0.0, 0.6, 1.25):
+        np.testing.assert_allclose(
+            length_penalty(lengths, alpha), ((5.0 + lengths) / 6.0) ** alpha, rtol=1e-6
+        )
+    assert float(length_penalty(7, 0.6)) == pytest.approx(2.0**0.6)
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6])

@@ -86,6 +86,33 @@ def test_printed_scores_equal_the_sacrebleu_command(workdir, tmp_path, capsys):
     assert float(bleu["verbose_score"].split("/")[0]) > 0 and expected["chrF2"]["score"] > 0
 
 
+def test_the_search_flags_and_their_documented_defaults_reach_the_search(
+    workdir, tmp_path, capsys, monkeypatch
+):
+    # The header printed the flags; the search must get them too.
+    calls = []
+    real = evaluate.translate_ids
+    names = ("greedy", "beam_size", "alpha", "max_extra_len", "max_tokens")
+
+    def recording(*args, **kwargs):
+        calls.append({name: kwargs[name] for name in names})
+        return real(*args, **{**kwargs, "greedy": True, "max_extra_len": 1})  # quick
+
+    monkeypatch.setattr(evaluate, "translate_ids", recording)
+    src = tmp_path / "src.en"
+    src.write_text("A dog runs.\n", encoding="utf-8")
+    base = ["--workdir", workdir, "--src-file", src, "--output", tmp_path / "hyp", "--no-progress"]
+    search = ["--beam", "3", "--alpha", "0.5", "--max-extra-len", "7", "--max-tokens", "512"]
+    for flags in ([], search, ["--greedy"]):
+        code, _, err = _run([*base, *flags], capsys)
+        assert code == 0, err
+    assert calls == [
+        dict(greedy=False, beam_size=5, alpha=1.25, max_extra_len=50, max_tokens=4096),
+        dict(greedy=False, beam_size=3, alpha=0.5, max_extra_len=7, max_tokens=512),
+        dict(greedy=True, beam_size=5, alpha=1.25, max_extra_len=50, max_tokens=4096),
+    ]
+
+
 def test_identical_hypotheses_score_100(multi30k_dir):
     references = data.read_lines(multi30k_dir / "test2016.de")[:50]
     lines = evaluate.score(references, references)
@@ -474,6 +501,35 @@ def test_the_librarys_default_parameters_are_the_ones_evaluate_scores(workdir, c
         jax.tree.leaves(default.params), jax.tree.leaves(evaluated.params), strict=True
     ):
         np.testing.assert_array_equal(a, b)
+
+
+def _leaf_means(steps, workdir):
+    """The elementwise float64 mean of the parameters of `steps`, leaf by leaf."""
+    trees = [checkpoints.restore_params(workdir, step)[0] for step in steps]
+    return [
+        np.mean(np.stack(leaves).astype(np.float64), axis=0)
+        for leaves in zip(*(jax.tree.leaves(tree) for tree in trees), strict=True)
+    ]
+
+
+def test_the_scored_parameters_are_the_mean_of_the_averaged_checkpoints(workdir, capsys):
+    # The header named the steps; the parameters themselves must be their mean, and
+    # --average-last must reach evaluate.py's parameters too.
+    default = translate.load_run(workdir)
+    two = evaluate._load_run(
+        evaluate.parse_args(["--workdir", str(workdir), "--split", "val", "--average-last", "2"])
+    )
+    assert two.checkpoint == "average of steps 300, 400"
+    last, _ = checkpoints.restore_params(workdir, 400)
+    for run, steps in ((default, (200, 300, 400)), (two, (300, 400))):
+        leaves = jax.tree.leaves(run.params)
+        for leaf, mean in zip(leaves, _leaf_means(steps, workdir), strict=True):
+            assert leaf.dtype == np.float32
+            np.testing.assert_allclose(leaf, mean, rtol=1e-6, atol=1e-7)
+        # Trained parameters move between checkpoints: the mean is not the last one.
+        assert any(
+            not np.allclose(a, b) for a, b in zip(leaves, jax.tree.leaves(last), strict=True)
+        )
 
 
 def test_the_readmes_workdir_example_runs_on_a_trained_workdir(workdir, capsys):
