@@ -15,7 +15,7 @@ from matplotlib import image as mpimg
 import data
 import evaluate
 import train
-from transformer import TransformerConfig, checkpoints, translate
+from transformer import TransformerConfig, checkpoints, training, translate
 
 N_TEST = 16
 FAST = ["--beam", "2", "--max-extra-len", "4", "--no-progress"]
@@ -111,6 +111,22 @@ def test_the_search_flags_and_their_documented_defaults_reach_the_search(
         dict(greedy=False, beam_size=3, alpha=0.5, max_extra_len=7, max_tokens=512),
         dict(greedy=True, beam_size=5, alpha=1.25, max_extra_len=50, max_tokens=4096),
     ]
+
+
+def test_the_validation_bleu_of_training_is_evaluate_pys_greedy_score(workdir, capsys):
+    # train.py keeps the checkpoint with the best of these scores: they must be real
+    # sacreBLEU of greedy translations, as evaluate.py --greedy prints it.
+    data_dir = Path(json.loads((workdir / "config.json").read_text())["data"]["data_dir"])
+    val = data.load_corpus(
+        data.CorpusSpec(dataset="files", data_dir=str(data_dir)), "val", clean=False
+    )
+    run = translate.load_run(workdir, checkpoint="last")
+    references = data.read_lines(data_dir / "val.de")
+    bleu = training.evaluate_bleu(run.model, run.params, run.tokenizer, val.src, references)
+    argv = ["--workdir", workdir, "--split", "val", "--checkpoint", "last", "--greedy"]
+    code, out, err = _run([*argv, "--no-progress"], capsys)
+    assert code == 0, err
+    assert bleu > 0 and _score_text(out, "BLEU").split()[0] == f"{bleu:.2f}"
 
 
 def test_identical_hypotheses_score_100(multi30k_dir):

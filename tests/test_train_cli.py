@@ -87,6 +87,34 @@ def test_workdir_has_everything_evaluation_needs_and_loss_falls(straight_run, ca
     assert best_step == 16
 
 
+def test_the_checkpoint_with_the_best_validation_bleu_is_kept_and_restored(
+    slice_dir, tmp_path, capsys, monkeypatch
+):
+    scores = iter([5.0, 1.0, 2.0, 3.0])  # validation BLEU at steps 4, 8, 12 and 16
+    monkeypatch.setattr(training, "evaluate_bleu", lambda *args, **kwargs: next(scores))
+    workdir = tmp_path / "run"
+    extra = ["--steps", "16", "--bleu-every", "4", "--keep-checkpoints", "1"]
+    assert train.main(_flags(slice_dir, workdir, *extra)) == 0
+    assert checkpoint_steps(workdir) == [4, 16]  # the last, and the best besides it
+    assert restore_params(workdir, "best")[1] == 4
+    assert [r["val_bleu"] for r in read_metrics(workdir) if "val_bleu" in r] == [5, 1, 2, 3]
+    out, err = capsys.readouterr()
+    assert "best validation BLEU 5.00 at step 4" in out + err
+
+
+def test_resuming_with_more_steps_moves_the_cooldown_to_the_new_end(slice_dir, tmp_path):
+    flags = _flags(slice_dir, tmp_path / "run", "--cooldown", "0.5")
+    assert train.main([*flags, "--steps", "8"]) == 0
+    assert train.main([*flags, "--steps", "16"]) == 0
+    logged = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "run") if "lr" in r}
+    paper = training.learning_rate_schedule(32, warmup_steps=10, scale=0.5)  # tiny: d_model 32
+    # The cooldown is the last half: of 8 steps in the first run, of 16 after the resume.
+    factor = {4: 1.0, 8: 1 / 4, 12: 5 / 8, 16: 1 / 8}
+    assert sorted(logged) == sorted(factor)
+    for step, lr in logged.items():
+        assert lr == pytest.approx(float(paper(step - 1)) * factor[step], rel=1e-5)
+
+
 def test_without_a_progress_bar_each_log_step_prints_its_loss(slice_dir, tmp_path, capsys):
     assert train.main(_flags(slice_dir, tmp_path / "run", "--steps", "8")) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]

@@ -189,6 +189,11 @@ def test_optimizer_is_adam_with_the_papers_betas_and_optional_clipping():
     np.testing.assert_allclose(updates["w"], [-0.5, -0.5, 0.0], rtol=1e-6)
     mu = state[0].mu["w"]
     np.testing.assert_allclose(mu, 0.1 * grads["w"], rtol=1e-6)  # b1 = 0.9
+    np.testing.assert_allclose(state[0].nu["w"], 0.02 * grads["w"] ** 2, rtol=1e-6)  # b2 = 0.98
+    # eps = 1e-9: a gradient of 1e-9 moves by lr * g / (|g| + eps) = half the rate.
+    tiny = {"w": jnp.array([1e-9, -1e-9, 0.0])}
+    updates, _ = plain.update(tiny, plain.init(params), params)
+    np.testing.assert_allclose(updates["w"], [-0.25, 0.25, 0.0], rtol=1e-3)
     _, cstate = clipped.update(grads, clipped.init(params), params)
     # Adam (second in the chain) saw the gradient clipped to norm 1: g / 500.
     np.testing.assert_allclose(cstate[1][0].mu["w"], 0.1 * grads["w"] / 500.0, rtol=1e-6)
