@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import unicodedata
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -171,7 +172,8 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
 def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -> None:
     """`write(file)` for `path`, as `write_text_atomically` writes text: to a temporary
     file beside it that then replaces it (to `path` itself where that is a device or a
-    pipe), so that an interrupted write leaves the old file or none, never half.
+    pipe), so that an interrupted write leaves the old file or none, never half, and
+    writers that overlap (hosts sharing a workdir) each replace it with a whole file.
 
     Raises:
       OSError: the file cannot be written; its filename is `path`.
@@ -184,7 +186,8 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -
             raise OSError(e.errno, e.strerror, str(path)) from None
         return
     path = Path(os.path.realpath(path))  # a link's target, so the link stays a link
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # A name of its own: a process id is not unique among hosts writing to one workdir.
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write(tmp)

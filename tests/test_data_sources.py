@@ -252,6 +252,23 @@ def test_write_text_atomically_writes_through_links_and_into_pipes(tmp_path):
         assert e.value.filename == "/dev/full"
 
 
+def test_writers_that_overlap_each_replace_the_file_whole(tmp_path, monkeypatch):
+    # Hosts sharing a workdir write the tokenizer at once, often with one process id.
+    monkeypatch.setattr(data.text.os, "getpid", lambda: 7)
+    path = tmp_path / "tokenizer.model"
+
+    def first(tmp):
+        with open(tmp, "wb") as f:
+            f.write(b"one half, ")
+            data.text.write_atomically(path, lambda t: t.write_bytes(b"the other host's\n"))
+            assert path.read_bytes() == b"the other host's\n"
+            f.write(b"the other half\n")
+
+    data.text.write_atomically(path, first)
+    assert path.read_bytes() == b"one half, the other half\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["tokenizer.model"]
+
+
 def test_write_text_atomically_leaves_the_old_file_or_the_new_never_half(tmp_path, monkeypatch):
     path = tmp_path / "out" / "hyp.de"
     data.text.write_text_atomically(path, "eins\n")  # the folder is made
