@@ -230,7 +230,9 @@ def _read_folder_split(
             "pass --data-dir pointing at a folder of {split}.{lang} files"
         )
     src_path, tgt_path = d / f"{split}.{spec.src}", d / f"{split}.{spec.tgt}"
-    if not src_path.is_file() and not tgt_path.is_file():
+    # Only files that are not there make a missing split: a broken link or a folder in
+    # their place is an error that read_parallel names.
+    if not os.path.lexists(src_path) and not os.path.lexists(tgt_path):
         available = folder_splits(d, spec.src, spec.tgt)
         raise MissingSplitError(
             f"no split {split!r} for {spec.src}-{spec.tgt} in {d} "
@@ -238,8 +240,8 @@ def _read_folder_split(
             f"available splits: {', '.join(available) or 'none'}"
         )
     for path in (src_path, tgt_path):
-        if not path.exists():
-            langs = sorted(p.suffix[1:] for p in d.glob(f"{split}.*") if p.is_file())
+        if not os.path.lexists(path):
+            langs = sorted(p.suffix[1:] for p in d.glob(f"{split}.*"))
             raise DataError(
                 f"no {path.name} in {d} (its {split} files are in: {', '.join(langs)}); "
                 "choose the languages with --src and --tgt"

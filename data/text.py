@@ -100,6 +100,11 @@ def read_lines(path: str | os.PathLike) -> list[str]:
         with open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
+        if os.path.islink(path):  # data on a drive that is not mounted, a moved folder
+            raise DataError(
+                f"{path} is a link to {os.readlink(path)}, which is not there; "
+                "mount or restore its target, or replace the link"
+            ) from None
         raise DataError(f"file not found: {path}") from None
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror or e}") from None

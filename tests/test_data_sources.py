@@ -198,6 +198,24 @@ def test_unknown_split_lists_available_splits(multi30k_slice):
     assert "'test'" in message and "train, val" in message
 
 
+def test_a_split_whose_files_are_broken_is_an_error_not_a_missing_split(multi30k_slice):
+    # A missing split means a run without it (no validation); broken files must stop it.
+    d = multi30k_slice(splits=("train",), n=10)
+    spec = data.CorpusSpec(dataset="files", data_dir=str(d))
+    for lang in ("en", "de"):  # links into a drive that is not mounted
+        (d / f"val.{lang}").symlink_to(f"/nonexistent/val.{lang}")
+    with pytest.raises(data.DataError) as e:
+        data.load_corpus(spec, "val")
+    assert not isinstance(e.value, data.MissingSplitError)
+    assert one_line(e).startswith(f"{d / 'val.en'} is a link to /nonexistent/val.en, which is")
+    (d / "val.en").unlink()
+    (d / "val.en").mkdir()
+    (d / "val.de").unlink()
+    with pytest.raises(data.DataError) as e:  # the one that is there is named
+        data.load_corpus(spec, "val")
+    assert f"no val.de in {d} (its val files are in: en)" in one_line(e)
+
+
 def test_a_language_the_folder_lacks_names_those_it_has(multi30k_slice):
     d = multi30k_slice(n=10, splits=("train",), langs=("en", "de", "fr"))
     with pytest.raises(data.DataError) as e:
