@@ -13,6 +13,7 @@ download never leaves a half-written file that a later run would trust.
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import http.client
@@ -71,6 +72,12 @@ def _offline_hint(directory: Path) -> str:
 
 
 def _cache_error(directory: Path, e: OSError) -> DataError:
+    if e.errno == errno.ENOSPC:
+        return DataError(
+            f"no space left on the disk of the Multi30k cache directory {directory}; make "
+            "room there, or set $TRANSFORMER_MT_CACHE to a folder on a disk with room, and "
+            "run the same command again"
+        )
     return DataError(
         f"cannot use the Multi30k cache directory {directory} ({e.strerror or e}); "
         "set $TRANSFORMER_MT_CACHE to a writable directory or fix its permissions"
@@ -101,30 +108,36 @@ def download(split: str, lang: str, directory: Path) -> Path:
         raise _cache_error(directory, e) from None
     try:
         sha = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out:
-            try:
-                with (
-                    urlopen(source, timeout=TIMEOUT_S) as response,
-                    gzip.GzipFile(fileobj=response) as gz,
-                ):
-                    while chunk := gz.read(1 << 20):
-                        sha.update(chunk)
-                        out.write(chunk)
-            # gzip: a bad header or CRC is an OSError, a truncated stream an EOFError,
-            # corrupt compressed data a zlib.error; a connection the server closes early
-            # is an http.client.IncompleteRead (an HTTPException, not an OSError)
-            except (
-                urllib.error.URLError,
-                OSError,
-                EOFError,
-                zlib.error,
-                http.client.HTTPException,
-            ) as e:
-                reason = getattr(e, "reason", None) or e
-                raise DataError(
-                    f"cannot download Multi30k {name} from {source} ({reason}); "
-                    + _offline_hint(directory)
-                ) from None
+        try:
+            with os.fdopen(fd, "wb") as out:
+                try:
+                    with (
+                        urlopen(source, timeout=TIMEOUT_S) as response,
+                        gzip.GzipFile(fileobj=response) as gz,
+                    ):
+                        while chunk := gz.read(1 << 20):
+                            sha.update(chunk)
+                            try:
+                                out.write(chunk)
+                            except OSError as e:  # the disk, not the download
+                                raise _cache_error(directory, e) from None
+                # gzip: a bad header or CRC is an OSError, a truncated stream an EOFError,
+                # corrupt compressed data a zlib.error; a connection the server closes early
+                # is an http.client.IncompleteRead (an HTTPException, not an OSError)
+                except (
+                    urllib.error.URLError,
+                    OSError,
+                    EOFError,
+                    zlib.error,
+                    http.client.HTTPException,
+                ) as e:
+                    reason = getattr(e, "reason", None) or e
+                    raise DataError(
+                        f"cannot download Multi30k {name} from {source} ({reason}); "
+                        + _offline_hint(directory)
+                    ) from None
+        except OSError as e:  # closing the file: its last bytes reach the disk
+            raise _cache_error(directory, e) from None
         if sha.hexdigest() != SHA256[name]:
             raise DataError(
                 f"checksum mismatch for Multi30k {name} downloaded from {source} "

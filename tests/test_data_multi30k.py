@@ -1,5 +1,6 @@
 """Multi30k cache: download from a fake opener, checksum rejection, offline message, atomicity."""
 
+import errno
 import gzip
 import http.client
 import io
@@ -152,6 +153,38 @@ def test_unwritable_cache_directory_is_a_data_error(cache, monkeypatch):
     message = str(e.value)
     assert "\n" not in message and str(cache) in message and "Permission denied" in message
     assert "$TRANSFORMER_MT_CACHE" in message
+
+
+@pytest.mark.parametrize("fails_at", ["write", "close"])
+def test_a_full_disk_is_named_not_blamed_on_the_network(multi30k_dir, cache, monkeypatch, fails_at):
+    fdopen = multi30k.os.fdopen
+
+    class FullDisk(io.RawIOBase):  # what a full disk does to the file being written
+        def __init__(self, fd):
+            self.file = fdopen(fd, "wb")
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            if fails_at == "write":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return len(b)  # buffered; the disk fills when it is flushed
+
+        def close(self):
+            self.file.close()
+            if fails_at == "close" and not self.closed:
+                super().close()
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(multi30k.os, "fdopen", lambda fd, mode: FullDisk(fd))
+    monkeypatch.setattr(multi30k, "urlopen", FakeOpener(upstream(multi30k_dir, "val")))
+    with pytest.raises(data.DataError) as e:
+        data.load_corpus(data.CorpusSpec(), "val")
+    message = str(e.value)
+    assert "\n" not in message and "download" not in message
+    assert message.startswith(f"no space left on the disk of the Multi30k cache directory {cache};")
+    assert list(cache.iterdir()) == []  # nothing half-written is kept
 
 
 def test_offline_without_cache_says_how_to_use_data_dir(cache, monkeypatch):
