@@ -614,12 +614,16 @@ def load_training_data(
     import data
     from transformer.training import ValidationData
 
+    def no_usable_pairs(which: str, corpus: data.Corpus, advice: str) -> data.DataError:
+        files = f" in {corpus.src_path} and {corpus.tgt_path}" if corpus.src_path else ""
+        return data.DataError(
+            f"the {which} split has no usable pairs{files} ({corpus.summary}); {advice}"
+        )
+
     spec = data.CorpusSpec.from_settings(settings)
     train = data.load_corpus(spec, "train")
     if len(train) == 0:
-        raise data.DataError(
-            f"the training split has no usable pairs ({train.summary}); fix its files"
-        )
+        raise no_usable_pairs("training", train, "fix its files")
     # Validation is read before anything is written: only a split that is not there
     # means a run without it; a broken one is an error like broken training data.
     try:
@@ -629,9 +633,7 @@ def load_training_data(
         log(f"warning: no validation: {e}")
         val = val_raw = None
     if val is not None and len(val) == 0:
-        raise data.DataError(
-            f"the validation split has no usable pairs ({val.summary}); fix or remove its files"
-        )
+        raise no_usable_pairs("validation", val, "fix or remove its files")
     tokenizer = data.load_or_train_tokenizer(
         workdir, train, vocab_size=settings["vocab_size"], model_type=settings["tokenizer_type"]
     )

@@ -16,7 +16,8 @@ Training is deterministic: no sentence sampling or shuffling and a single
 trainer thread (SentencePiece's result depends on the thread count), so the
 same corpus gives a byte-identical ``.model`` file on any machine. The model
 normalizes nothing itself (``identity`` rule): :func:`data.normalize` has
-already done it, so ``decode(encode(s)) == s`` for normalized ``s``.
+already done it, so ``decode(encode(s)) == s`` for normalized ``s`` without U+2581
+(SentencePiece's word-boundary mark, which decodes as a space).
 Characters unseen in training are encoded as UTF-8 bytes (``byte_fallback``)
 rather than ``<unk>``, so no input text is lost.
 """

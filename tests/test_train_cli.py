@@ -475,7 +475,9 @@ def test_a_training_split_cleaning_empties_is_a_one_line_error(slice_dir, tmp_pa
     (empty / "train.de").write_text("\n\n")  # every pair has an empty side
     assert train.main(_flags(empty, tmp_path / "run")) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: the training split has no usable pairs") and "2 skipped" in err
+    files = f"in {empty / 'train.en'} and {empty / 'train.de'} ("
+    assert err.startswith(f"error: the training split has no usable pairs {files}")
+    assert "2 skipped" in err
     assert err.count("\n") == 1
 
 
@@ -629,9 +631,9 @@ def test_a_broken_val_split_stops_the_run_before_anything_is_written_a_missing_o
         (data_dir / f"val.{lang}").write_bytes(b"\n\n")
     assert train.main(_flags(data_dir, workdir)) == 2
     err = capsys.readouterr().err
-    assert (
-        err.startswith("error: the validation split has no usable pairs") and err.count("\n") == 1
-    )
+    files = f"in {data_dir / 'val.en'} and {data_dir / 'val.de'} ("
+    assert err.startswith(f"error: the validation split has no usable pairs {files}")
+    assert err.count("\n") == 1
     assert not workdir.exists()
     for lang in ("en", "de"):  # no val split at all: a run without validation
         (data_dir / f"val.{lang}").unlink()
