@@ -23,6 +23,7 @@ import tempfile
 import urllib.error
 import urllib.request
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from data.errors import DataError, MissingSplitError
@@ -84,6 +85,23 @@ def _cache_error(directory: Path, e: OSError) -> DataError:
     )
 
 
+def _downloaded_chunks(source: str, name: str, directory: Path) -> Iterator[bytes]:
+    """The gunzipped bytes at `source`, a megabyte at a time; whatever the network or the
+    stream does wrong is a DataError that says how to go on offline."""
+    try:
+        with urlopen(source, timeout=TIMEOUT_S) as response, gzip.GzipFile(fileobj=response) as gz:
+            while chunk := gz.read(1 << 20):
+                yield chunk
+    # gzip: a bad header or CRC is an OSError, a truncated stream an EOFError, corrupt
+    # compressed data a zlib.error; a connection the server closes early is an
+    # http.client.IncompleteRead (an HTTPException, not an OSError)
+    except (urllib.error.URLError, OSError, EOFError, zlib.error, http.client.HTTPException) as e:
+        reason = getattr(e, "reason", None) or e
+        raise DataError(
+            f"cannot download Multi30k {name} from {source} ({reason}); " + _offline_hint(directory)
+        ) from None
+
+
 def download(split: str, lang: str, directory: Path) -> Path:
     """Downloads, gunzips and verifies one file into ``directory``, atomically.
 
@@ -110,33 +128,10 @@ def download(split: str, lang: str, directory: Path) -> Path:
         sha = hashlib.sha256()
         try:
             with os.fdopen(fd, "wb") as out:
-                try:
-                    with (
-                        urlopen(source, timeout=TIMEOUT_S) as response,
-                        gzip.GzipFile(fileobj=response) as gz,
-                    ):
-                        while chunk := gz.read(1 << 20):
-                            sha.update(chunk)
-                            try:
-                                out.write(chunk)
-                            except OSError as e:  # the disk, not the download
-                                raise _cache_error(directory, e) from None
-                # gzip: a bad header or CRC is an OSError, a truncated stream an EOFError,
-                # corrupt compressed data a zlib.error; a connection the server closes early
-                # is an http.client.IncompleteRead (an HTTPException, not an OSError)
-                except (
-                    urllib.error.URLError,
-                    OSError,
-                    EOFError,
-                    zlib.error,
-                    http.client.HTTPException,
-                ) as e:
-                    reason = getattr(e, "reason", None) or e
-                    raise DataError(
-                        f"cannot download Multi30k {name} from {source} ({reason}); "
-                        + _offline_hint(directory)
-                    ) from None
-        except OSError as e:  # closing the file: its last bytes reach the disk
+                for chunk in _downloaded_chunks(source, name, directory):
+                    sha.update(chunk)
+                    out.write(chunk)
+        except OSError as e:  # writing or closing the file: the disk, not the download
             raise _cache_error(directory, e) from None
         if sha.hexdigest() != SHA256[name]:
             raise DataError(
