@@ -1019,7 +1019,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from data import DataError
     from data.errors import os_error_line, out_of_memory_line
-    from transformer.checkpoints import CheckpointError, silence_orbax_logs
+    from transformer.checkpoints import CheckpointError, CheckpointWriteError, silence_orbax_logs
     from transformer.compilation_cache import EMPTY_CACHE_FLAG, persistent_compilation_cache
     from transformer.host_memory import keep_freed_host_memory
     from transformer.training import NonFiniteLossError
@@ -1038,7 +1038,7 @@ def main(argv: list[str] | None = None) -> int:
             return run(args)
     except (DataError, CheckpointError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(e, CheckpointWriteError) else 2
     except NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

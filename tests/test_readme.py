@@ -8,7 +8,7 @@ REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text(encoding="utf-8")
 
 
-WORKDIR_EXAMPLE = 'load_run("runs/m30k_en_de")'  # run by test_evaluate on a trained workdir
+WORKDIR_EXAMPLE = 'load_run("runs/multi30k_en_de")'  # run by test_evaluate on a trained workdir
 
 
 def readme_workdir_example() -> str:

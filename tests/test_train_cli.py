@@ -115,6 +115,20 @@ def test_resuming_with_more_steps_moves_the_cooldown_to_the_new_end(slice_dir, t
         assert lr == pytest.approx(float(paper(step - 1)) * factor[step], rel=1e-5)
 
 
+def test_a_full_disk_while_training_exits_1_with_one_line(slice_dir, tmp_path, capsys, monkeypatch):
+    # Not bad input (2): the same command resumes once there is room.
+    import orbax.checkpoint as ocp
+
+    def full(*args, **kwargs):
+        raise ValueError("RESOURCE_EXHAUSTED: Error writing: No space left on device")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full)
+    assert train.main(_flags(slice_dir, tmp_path / "run", "--steps", "4")) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write a checkpoint in ") and err.count("\n") == 1
+    assert "no space left on device" in err
+
+
 def test_without_a_progress_bar_each_log_step_prints_its_loss(slice_dir, tmp_path, capsys):
     assert train.main(_flags(slice_dir, tmp_path / "run", "--steps", "8")) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]

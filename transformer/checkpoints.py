@@ -70,6 +70,10 @@ class CheckpointError(Exception):
     """A workdir or checkpoint problem; str() is a one-line message for the user."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (a full disk): not the workdir's fault."""
+
+
 class TrainCheckpoint(NamedTuple):
     """One restored training checkpoint.
 
@@ -124,7 +128,7 @@ def silence_orbax_logs() -> None:
 @contextlib.contextmanager
 def _write_errors(directory: Path) -> Iterator[None]:
     """Turns a failed checkpoint write (a full disk: Orbax raises TensorStore's ValueError,
-    or an OSError) into a one-line CheckpointError that says how to go on."""
+    or an OSError) into a one-line CheckpointWriteError that says how to go on."""
     try:
         yield
     except CheckpointError:
@@ -132,7 +136,7 @@ def _write_errors(directory: Path) -> Iterator[None]:
     except Exception as e:
         text = str(e)
         reason = "no space left on device" if "No space left" in text else _first_line(e)
-        raise CheckpointError(
+        raise CheckpointWriteError(
             f"cannot write a checkpoint in {directory}: {reason}; make room there (or fix "
             "what stops the write), then run the same command to resume from the last "
             "checkpoint"
