@@ -53,12 +53,20 @@ from transformer.translate import (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistyped or missing flag as one line instead of the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}; {self.prog} --help lists the flags\n")
+
+
 class UsageError(Exception):
     """A bad combination of flags; str() is a one-line message."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = _Parser(
+        prog="evaluate.py",
         description="Translate with a trained run; score with sacreBLEU; plot attention.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -192,7 +200,10 @@ def load_sources_and_references(
         return decode_lines(sys.stdin.buffer.read(), "standard input"), None, "stdin"
     if args.src_file:
         if not args.ref_file:
-            return read_lines(args.src_file), None, args.src_file
+            sources = read_lines(args.src_file)
+            if not sources:  # a wrong file, most likely: --translate is for filters
+                raise DataError(f"{args.src_file} is empty: nothing to translate")
+            return sources, None, args.src_file
         sources, references = read_aligned_lines(args.src_file, args.ref_file)
         if not sources:  # sacreBLEU fails on an empty corpus with an IndexError
             raise DataError(f"{args.src_file} and {args.ref_file} are empty: nothing to score")

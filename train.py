@@ -100,13 +100,20 @@ TRAIN_DEFAULTS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistyped or missing flag as one line instead of the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}; {self.prog} --help lists the flags\n")
+
+
 class UsageError(Exception):
     """A bad flag combination; str() is one line."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line; every flag is documented in --help."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="train.py",
         description=(
             "Train the 'Attention Is All You Need' Transformer (data-parallel over all local "
@@ -606,9 +613,15 @@ class TrainingData:
 
 
 def load_training_data(
-    workdir: Path, settings: dict[str, Any], max_len: int, seed: int, log
+    workdir: Path,
+    settings: dict[str, Any],
+    max_len: int,
+    seed: int,
+    log,
+    bleu_max_sentences: int | None = None,
 ) -> TrainingData:
-    """Corpus -> tokenizer -> ids -> bucketed batches, plus validation data."""
+    """Corpus -> tokenizer -> ids -> bucketed batches, plus validation data (whose first
+    `bleu_max_sentences` lines, or all, are scored for BLEU)."""
     import jax
 
     import data
@@ -678,9 +691,11 @@ def load_training_data(
     val_encoded = data.encode_corpus(tokenizer, val, max_len=None, cache_dir=cache)
     val_batches = batcher_of(val_encoded, shuffle=False).one_pass()
     references = data.read_lines(val_raw.tgt_path) if val_raw.tgt_path else val_raw.tgt
+    bleu_lines = f"{len(val_raw)} lines"
+    if bleu_max_sentences and bleu_max_sentences < len(val_raw):
+        bleu_lines = f"the first {bleu_max_sentences} of its {len(val_raw)} lines"
     summary.append(
-        f"data: validation {val.summary}; {len(val_batches)} loss batches, "
-        f"{len(val_raw)} lines for BLEU"
+        f"data: validation {val.summary}; {len(val_batches)} loss batches, {bleu_lines} for BLEU"
     )
     validation = ValidationData(
         batches=lambda: val_batches,
@@ -876,7 +891,12 @@ def _run_locked(
     with removed_if_stopped_before_training(workdir, main_process, training, moved_aside):
         try:
             loaded = load_training_data(
-                workdir, settings.data, settings.max_len, settings.train.seed, log
+                workdir,
+                settings.data,
+                settings.max_len,
+                settings.train.seed,
+                log,
+                settings.train.bleu_max_sentences,
             )
         except OSError as e:  # an unwritable --workdir, an unreadable data file
             raise UsageError(os_error_line(e)) from None

@@ -488,6 +488,27 @@ def test_output_onto_a_file_of_the_split_is_refused_before_decoding(lang, tmp_pa
     assert (tmp_path / "test2016.de").read_text() == "b\n"
 
 
+def test_a_mistyped_or_missing_flag_is_one_line_not_the_whole_usage(capsys):
+    for argv, fragment in (
+        (["--workdir", "w", "--bem", "2"], "unrecognized arguments: --bem 2"),
+        (["--split", "val"], "the following arguments are required: --workdir"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            evaluate.parse_args(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and fragment in err, err
+        assert err.endswith("; evaluate.py --help lists the flags\n")
+
+
+def test_an_empty_src_file_is_an_error_and_writes_nothing(workdir, tmp_path, capsys):
+    empty = tmp_path / "empty.en"
+    empty.write_bytes(b"")
+    hyp = tmp_path / "hyp.de"
+    code, out, err = _run(["--workdir", workdir, "--src-file", empty, "--output", hyp], capsys)
+    assert code == 2 and err == f"error: {empty} is empty: nothing to translate\n"
+    assert not hyp.exists()
+
+
 def test_an_empty_compilation_cache_flag_is_a_usage_error(capsys):
     # Path("") is the current folder: the cache's files were written there.
     with pytest.raises(SystemExit) as exit_:

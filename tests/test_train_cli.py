@@ -447,6 +447,16 @@ def test_help_documents_every_flag():
         assert flag in result.stdout, flag
 
 
+@pytest.mark.parametrize("argv", [["--stpes", "30"], ["--steps", "many"]])
+def test_a_mistyped_flag_is_one_line_not_the_whole_usage(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert argv[0] in err and err.endswith("; train.py --help lists the flags\n")
+
+
 def test_library_tokenizer_default_is_the_command_line_default():
     """A tokenizer trained through `data` without a size matches what `train.py` trains.
 
@@ -736,6 +746,15 @@ def test_an_unwritable_workdir_is_a_one_line_error(slice_dir, tmp_path, capsys):
     # As evaluate.py and the shell say it: the path first, then what is wrong with it.
     assert err.startswith(f"error: {tmp_path / 'a_file'}") and err.count("\n") == 1
     assert err.endswith(": Not a directory\n")
+
+
+def test_the_summary_counts_the_validation_lines_scored_for_bleu(slice_dir, tmp_path):
+    settings = train.data_settings(
+        train.build_parser().parse_args(_flags(slice_dir, tmp_path)), None
+    )
+    for limit, count in ((None, "24 lines"), (8, "the first 8 of its 24 lines"), (30, "24 lines")):
+        loaded = train.load_training_data(tmp_path, settings, 64, 0, print, limit)
+        assert loaded.summary[-1].endswith(f"loss batches, {count} for BLEU")
 
 
 @pytest.mark.parametrize("max_tokens, over", [("1024", False), ("64", True)])
