@@ -6,6 +6,7 @@ import importlib.util
 import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -67,19 +68,29 @@ def params():
 
 
 def test_round_trip_keeps_structure_and_values(tmp_path, params):
+    # The saved values come back, not the templates restore is given: an Adam state after
+    # one update (moments and a count that are not zero), read into all-zero templates.
     optimizer = optax.adam(1e-3)
-    opt_state = jax.device_get(optimizer.init(params))
+    saved = _shifted(params, 0.5)
+    opt_state = optimizer.init(saved)
+    _, opt_state = optimizer.update(_shifted(params, 0.25), opt_state, saved)
+    opt_state = jax.device_get(opt_state)
     with Checkpoints(tmp_path, keep=2) as ckpts:
-        ckpts.save(7, params, opt_state, {"rng": [1, 2], "data": {"epoch": 3}})
+        ckpts.save(7, saved, opt_state, {"rng": [1, 2], "data": {"epoch": 3}})
+    zeros = partial(jax.tree.map, np.zeros_like)
     with Checkpoints(tmp_path, keep=2) as ckpts:
-        restored = ckpts.restore_latest(params, opt_state)
+        restored = ckpts.restore_latest(zeros(params), zeros(opt_state))
     assert restored.step == 7
     assert restored.meta == {"rng": [1, 2], "data": {"epoch": 3}, "step": 7}
-    assert jax.tree.structure(restored.opt_state) == jax.tree.structure(opt_state)
-    for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(params), strict=True):
-        np.testing.assert_array_equal(a, b)
+    for got, want in ((restored.params, saved), (restored.opt_state, opt_state)):
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert int(jax.tree.leaves(restored.opt_state)[0]) == 1  # Adam's count
     only_params, step = restore_params(tmp_path, "last")
     assert step == 7 and jax.tree.structure(only_params) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(only_params), jax.tree.leaves(saved), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_save_by_default_is_on_disk_when_save_returns(tmp_path):
@@ -108,7 +119,7 @@ def test_update_meta_changes_what_a_resume_reads_and_nothing_else(tmp_path, para
     with Checkpoints(tmp_path, keep=2) as ckpts:
         assert ckpts.steps() == [4, 8]
         assert ckpts.restore(4, params, _OPT).meta == changed
-        restored = ckpts.restore(8, params, _OPT)
+        restored = ckpts.restore(8, _shifted(params, 1.0), _OPT)  # a template, not the values
     assert restored.meta == {"rng": [1, 2], "data": {"epoch": 8}, "step": 8}
     for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(a, b)

@@ -65,6 +65,21 @@ def test_a_program_compiled_in_one_block_is_loaded_in_the_next(tmp_path, cache_e
     assert jnp.array_equal(first, second)
 
 
+def test_the_cache_is_bounded_inside_the_block_and_a_callers_bound_kept(tmp_path):
+    # JAX's default is unbounded (-1); the README promises at most 2 GiB, least recently
+    # used programs deleted first.
+    before = jax.config.values["jax_compilation_cache_max_size"]
+    with persistent_compilation_cache(tmp_path / "xla"):
+        assert jax.config.values["jax_compilation_cache_max_size"] == 2 * 2**30
+    assert jax.config.values["jax_compilation_cache_max_size"] == before
+    jax.config.update("jax_compilation_cache_max_size", 10**6)
+    try:
+        with persistent_compilation_cache(tmp_path / "xla"):
+            assert jax.config.values["jax_compilation_cache_max_size"] == 10**6
+    finally:
+        jax.config.update("jax_compilation_cache_max_size", before)
+
+
 def test_disabled_means_no_cache(tmp_path, cache_events):
     jax.clear_caches()
     with persistent_compilation_cache(tmp_path / "xla", enabled=False) as path:

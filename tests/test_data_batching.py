@@ -266,7 +266,11 @@ def test_restore_refuses_other_data_or_settings(small, multi30k_tokenizer):
     tok = multi30k_tokenizer
     state = batcher(small, tok, max_tokens=512).state()
     fewer = data.EncodedCorpus(src=small.src[:-1], tgt=small.tgt[:-1])
-    for other in (batcher(fewer, tok, max_tokens=512), batcher(small, tok, max_tokens=1024)):
+    for other in (
+        batcher(fewer, tok, max_tokens=512),
+        batcher(small, tok, max_tokens=1024),
+        batcher(small, tok, max_tokens=512, seed=1),
+    ):
         with pytest.raises(data.DataError, match="resume"):
             other.restore(state)
 

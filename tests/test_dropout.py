@@ -18,6 +18,14 @@ def test_drops_the_quantized_rate_and_keeps_the_expectation():
     assert abs(y.mean() - 1.0) < 3e-3
 
 
+def test_elements_are_dropped_independently():
+    # One 32-bit draw serves four elements, a byte each: neighbours, in a row and across
+    # rows, must still be dropped together only as often as chance says.
+    dropped = np.asarray(dropout(jnp.ones((1000, 1000)), 0.1, jax.random.key(4))) == 0.0
+    for a, b in ((dropped[:, :-1], dropped[:, 1:]), (dropped[:-1], dropped[1:])):
+        assert abs(np.mean(a & b) - (26 / 256) ** 2) < 1e-3  # 1e6 pairs: error about 1e-4
+
+
 def test_odd_sizes_and_dtypes_keep_their_shape_and_dtype():
     x = jnp.ones((3, 5, 7), jnp.bfloat16)
     y = dropout(x, 0.5, jax.random.key(1))

@@ -32,6 +32,15 @@ def test_cross_attention_weights_are_distributions_over_real_source_tokens():
         assert weights.shape == (2, config.num_heads, 3, 4)
         np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
         assert np.all(weights[1, :, :, 2:] == 0.0)  # source padding gets no attention
+    assert not np.allclose(layers[0], layers[1])  # each layer its own
+    # Row t is the query that predicts tgt_out[t], fed [bos] + tgt_out[:t]: a change to the
+    # last token reaches no row, a change to the first every row after the first.
+    last = cross_attention_weights(model, params, src, tgt_out.at[0, 2].set(12), bos_id=2)
+    first = cross_attention_weights(model, params, src, tgt_out.at[0, 0].set(12), bos_id=2)
+    for weights, with_last, with_first in zip(layers, last, first, strict=True):
+        np.testing.assert_array_equal(with_last, weights)
+        np.testing.assert_array_equal(with_first[:, :, 0], weights[:, :, 0])
+        assert not np.allclose(with_first[0, :, 1:], weights[0, :, 1:])
 
 
 def test_plots_are_readable_pngs(tmp_path):
