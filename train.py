@@ -921,6 +921,12 @@ def _run_locked(
         )
     if result is None:
         return 0
+    if result.interrupted and result.step == 0:
+        log(
+            "interrupted before the first update: nothing was trained, so no checkpoint was "
+            f"saved. Start again with: python train.py --workdir {workdir}"
+        )
+        return 0
     if result.interrupted:
         log(
             f"interrupted at step {result.step}; checkpoint saved in {result.checkpoint_dir}. "

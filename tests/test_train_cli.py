@@ -222,8 +222,8 @@ def test_sigterm_while_compiling_ahead_saves_and_exits_without_waiting_for_every
             process.kill()
     out = "".join(lines) + out
     assert process.returncode == 0, err
-    assert "compiling stopped: " in out and "interrupted at step 0" in out
-    assert checkpoint_steps(tmp_path) == [0]
+    assert "compiling stopped: " in out and "interrupted before the first update" in out
+    assert checkpoint_steps(tmp_path) == []  # no untrained checkpoint to join an average
     # The 8 train-step and some validation programs, 2 at a time, would take longer.
     compiled, total = map(
         int, out.split("compiling stopped: ")[1].split(" programs")[0].split(" of ")
@@ -252,6 +252,28 @@ def test_stop_and_resume_gives_exactly_the_uninterrupted_parameters(
     assert [e["step"] for e in config["environments"]] == [0, 8]
     elapsed = [r["elapsed_s"] for r in read_metrics(tmp_path)]
     assert elapsed == sorted(elapsed)  # the clock carries over the resume
+
+
+def test_a_stop_before_the_first_update_saves_nothing_and_the_run_starts_again(
+    straight_run, slice_dir, tmp_path, capsys, monkeypatch
+):
+    # It saved the untrained step 0, which evaluate.py's default average then took in.
+    run = training.Trainer.run
+
+    def stopped_at_once(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler sets the stop event
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(training.Trainer, "run", stopped_at_once)
+    assert train.main(_flags(slice_dir, tmp_path, "--steps", "8")) == 0
+    assert "interrupted before the first update: nothing was trained" in capsys.readouterr().out
+    assert checkpoint_steps(tmp_path) == []
+    monkeypatch.undo()
+    assert train.main(_flags(slice_dir, tmp_path, "--steps", "8")) == 0
+    assert checkpoint_steps(tmp_path) == [4, 8]
+    losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path) if "loss" in r}
+    expected = {r["step"]: r["loss"] for r in read_metrics(straight_run) if "loss" in r}
+    assert losses == {step: expected[step] for step in (4, 8)}
 
 
 def test_without_workdir_a_run_goes_to_runs_corpus_src_tgt_and_resumes_from_there(

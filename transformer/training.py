@@ -691,7 +691,8 @@ class TrainResult:
     Attributes:
       step: updates done.
       seconds: wall time of this run (not counting earlier, resumed runs).
-      interrupted: stopped early by `stop_event` (a checkpoint was saved).
+      interrupted: stopped early by `stop_event` (a checkpoint was saved, unless no
+        update had been made).
       best_bleu: best validation BLEU of the workdir so far, or None.
       best_step: its step, or None.
       last_loss: the last logged training loss.
@@ -916,8 +917,8 @@ class Trainer:
           total_steps: the step to stop at.
           validation: validation data, or None to skip validation.
           stop_event: when set (e.g. by a SIGTERM handler), the current step
-            finishes, a checkpoint is saved and `run` returns with
-            `interrupted=True`.
+            finishes, a checkpoint is saved (none at step 0: an untrained one would
+            join evaluate.py's average) and `run` returns with `interrupted=True`.
           check_loss: called as check_loss(step, loss) with every step's
             training loss; raises to stop. Default: `check_finite_loss`.
 
@@ -958,7 +959,8 @@ class Trainer:
                 bar.update(1)
                 self._after_step(tracker, total_steps, validation, bar)
             tracker.settle()
-            self.save()
+            if self.step > 0:  # before the first update there is nothing trained to keep
+                self.save()
         finally:
             bar.close()
             # Finish background writes even when a non-finite loss escapes: the
