@@ -442,6 +442,41 @@ def remove_while_empty(folders: list[Path]) -> None:
 LOCK_FILE = "train.lock"
 
 
+def _open_and_lock(path: Path, workdir: Path, fcntl: Any):
+    """`path` opened and locked with `flock` (unlocked, with a warning, where the file
+    system has no locks); a UsageError naming the process that holds it."""
+    from data.errors import os_error_line
+
+    while True:
+        try:
+            lock = open(path, "a+", encoding="utf-8")
+        except OSError as e:  # a folder that cannot be written
+            raise UsageError(os_error_line(e)) from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "unknown"
+            lock.close()
+            raise UsageError(
+                f"another train.py (process {holder}) is training in {workdir}; let it finish "
+                "or stop it (Ctrl-C saves a checkpoint), or use another --workdir"
+            ) from None
+        except OSError as e:  # a file system without locks (some network ones): train anyway
+            print(
+                f"warning: cannot lock {path} ({e.strerror}); nothing stops a second run "
+                "in this workdir",
+                file=sys.stderr,
+            )
+            return lock
+        # A run that ends unlinks its file: one opened just before that is locked in vain,
+        # since the next run opens a new file. Lock the file that is there now.
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.fstat(lock.fileno()), os.stat(path)):
+                return lock
+        lock.close()
+
+
 @contextlib.contextmanager
 def workdir_locked(workdir: Path, enabled: bool = True):
     """Holds an exclusive lock on the workdir while the run uses it, so that a second
@@ -467,25 +502,10 @@ def workdir_locked(workdir: Path, enabled: bool = True):
     path = workdir / LOCK_FILE
     try:
         workdir.mkdir(parents=True, exist_ok=True)
-        lock = open(path, "a+", encoding="utf-8")  # closed by the `with` below
     except OSError as e:  # a --workdir under a file, or in a folder that cannot be written
         raise UsageError(os_error_line(e)) from None
+    lock = _open_and_lock(path, workdir, fcntl)
     with lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "unknown"
-            raise UsageError(
-                f"another train.py (process {holder}) is training in {workdir}; let it finish "
-                "or stop it (Ctrl-C saves a checkpoint), or use another --workdir"
-            ) from None
-        except OSError as e:  # a file system without locks (some network ones): train anyway
-            print(
-                f"warning: cannot lock {path} ({e.strerror}); nothing stops a second run "
-                "in this workdir",
-                file=sys.stderr,
-            )
         lock.seek(0)
         lock.truncate()
         lock.write(f"{os.getpid()}\n")

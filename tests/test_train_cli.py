@@ -868,3 +868,24 @@ def test_a_file_system_without_locks_trains_with_a_warning(tmp_path, monkeypatch
         "second run in this workdir\n"
     )
     assert not run.exists()
+
+
+def test_a_lock_file_the_last_run_removed_as_it_was_locked_is_not_trusted(tmp_path, monkeypatch):
+    # A run ending between a new run's open and flock unlinks the file the new run then
+    # locks: a third run would make a fresh file, lock it and train beside the second.
+    import fcntl
+
+    lock = fcntl.flock
+    locked = []
+
+    def flock(file, operation):
+        locked.append(os.fstat(file.fileno()).st_ino)
+        if len(locked) == 1:
+            (tmp_path / train.LOCK_FILE).unlink()  # the run that held it has just ended
+        return lock(file, operation)
+
+    (tmp_path / train.LOCK_FILE).write_text("999999\n")
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with train.workdir_locked(tmp_path):
+        assert (tmp_path / train.LOCK_FILE).read_text() == f"{os.getpid()}\n"
+        assert locked[-1] == os.stat(tmp_path / train.LOCK_FILE).st_ino and len(locked) == 2
