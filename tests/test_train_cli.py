@@ -276,6 +276,26 @@ def test_a_stop_before_the_first_update_saves_nothing_and_the_run_starts_again(
     assert losses == {step: expected[step] for step in (4, 8)}
 
 
+def test_a_stop_asked_for_before_a_validation_skips_it_and_saves(
+    slice_dir, tmp_path, capsys, monkeypatch
+):
+    # A full validation can outlast the time a scheduler allows between SIGTERM and SIGKILL.
+    after_step = training.Trainer._after_step
+
+    def stop_at_8(self, *args, **kwargs):
+        if self.step == 8:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return after_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(training.Trainer, "_after_step", stop_at_8)
+    extra = ["--steps", "16", "--eval-every", "8", "--bleu-every", "8"]
+    assert train.main(_flags(slice_dir, tmp_path, *extra)) == 0
+    out = capsys.readouterr().out
+    assert "step 8: validation skipped: stopping" in out and "interrupted at step 8" in out
+    assert checkpoint_steps(tmp_path) == [4, 8]
+    assert not [r for r in read_metrics(tmp_path) if "val_loss" in r]
+
+
 def test_without_workdir_a_run_goes_to_runs_corpus_src_tgt_and_resumes_from_there(
     slice_dir, tmp_path, monkeypatch, capsys
 ):

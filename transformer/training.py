@@ -957,7 +957,7 @@ class Trainer:
                 self.step += 1
                 self.data_state = data_state
                 bar.update(1)
-                self._after_step(tracker, total_steps, validation, bar)
+                self._after_step(tracker, total_steps, validation, bar, stop_event)
             tracker.settle()
             if self.step > 0:  # before the first update there is nothing trained to keep
                 self.save()
@@ -984,8 +984,11 @@ class Trainer:
         total_steps: int,
         validation: ValidationData | None,
         bar: Any,
+        stop_event: threading.Event | None = None,
     ) -> None:
-        """Logs, validates and checkpoints when the schedules say so."""
+        """Logs, validates and checkpoints when the schedules say so; a validation due
+        when a stop was asked for is skipped, since it can take longer than a scheduler
+        waits between SIGTERM and SIGKILL."""
         cfg, step = self.config, self.step
         due_log = step % cfg.log_every == 0 or step == total_steps
         due_eval = cfg.eval_every > 0 and step % cfg.eval_every == 0
@@ -1015,7 +1018,9 @@ class Trainer:
                     f"lr {record['lr']:.2e}, {record['tokens_per_s']:,.0f} target tokens/s"
                 )
         val_bleu = None
-        if validation is not None and (due_eval or due_bleu):
+        if (due_eval or due_bleu) and stop_event is not None and stop_event.is_set():
+            self._log(f"step {step}: validation skipped: stopping")
+        elif validation is not None and (due_eval or due_bleu):
             results = self.validate(validation, bleu=due_bleu)
             val_bleu = results.get("val_bleu")
             self._metrics.write(step, results)
