@@ -5,6 +5,15 @@ from pathlib import Path
 
 import pytest
 
+import transformer.host_memory
+
+# keep_freed_host_memory() puts every thread of the process on one malloc heap for good,
+# which slows compiling (transformer/host_memory.py). The suite compiles hundreds of small
+# programs in this one process and times no step, so the calls that train.main and the
+# benchmarks make in it change nothing here: tests/test_evaluate.py ran in 58 s instead of
+# 70 s. tests/test_host_memory.py checks the setting itself, in processes of its own.
+transformer.host_memory.keep_freed_host_memory = lambda: False
+
 
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
