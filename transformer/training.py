@@ -984,7 +984,7 @@ class Trainer:
         total_steps: int,
         validation: ValidationData | None,
         bar: Any,
-        stop_event: threading.Event | None = None,
+        stop_event: threading.Event | None,
     ) -> None:
         """Logs, validates and checkpoints when the schedules say so; a validation due
         when a stop was asked for is skipped, since it can take longer than a scheduler
@@ -994,6 +994,7 @@ class Trainer:
         due_eval = cfg.eval_every > 0 and step % cfg.eval_every == 0
         due_bleu = cfg.bleu_every > 0 and step % cfg.bleu_every == 0
         due_save = step % cfg.checkpoint_every == 0 or step == total_steps
+        due_validation = validation is not None and (due_eval or due_bleu)
         if not (due_log or due_eval or due_bleu or due_save):
             return
         values = tracker.settle()  # nothing is saved before this step's loss is checked
@@ -1018,9 +1019,9 @@ class Trainer:
                     f"lr {record['lr']:.2e}, {record['tokens_per_s']:,.0f} target tokens/s"
                 )
         val_bleu = None
-        if (due_eval or due_bleu) and stop_event is not None and stop_event.is_set():
+        if due_validation and stop_event is not None and stop_event.is_set():
             self._log(f"step {step}: validation skipped: stopping")
-        elif validation is not None and (due_eval or due_bleu):
+        elif due_validation:
             results = self.validate(validation, bleu=due_bleu)
             val_bleu = results.get("val_bleu")
             self._metrics.write(step, results)
