@@ -773,7 +773,13 @@ def compile_step_programs(
 
 
 class PreTrainingStop(Exception):
-    """A stop request (SIGINT/SIGTERM) that came before the training loop: nothing to save."""
+    """A stop request (SIGINT/SIGTERM) that came before the training loop: nothing to save.
+
+    `signum` is the request's signal, which the exit status reports."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.signum = signum
 
 
 class StopRequest(threading.Event):
@@ -802,12 +808,24 @@ def install_stop_handlers(stop: StopRequest, log, training: threading.Event) -> 
     return previous
 
 
-def check_stop_before_training(stop: threading.Event) -> None:
-    """Ends the run where a stop request came while the data or the state was loading."""
-    if stop.is_set():
+def check_stop_before_training(stop: StopRequest) -> None:
+    """Ends the run where a stop request came while the data or the state was loading.
+
+    In a multi-host run every host checks at the same points, and all end if any of them
+    was asked to: a host that ended alone would leave the others waiting for it."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    signum = (stop.signum or signal.SIGINT) if stop.is_set() else 0
+    if jax.process_count() > 1:
+        signum = int(np.max(multihost_utils.process_allgather(np.int32(signum))))
+    if signum:
+        by = "" if stop.is_set() else "another host was asked to stop; "
         raise PreTrainingStop(
-            "stopped before training started: nothing new was trained, so nothing was saved; "
-            "run the same command to go on"
+            f"stopped before training started: {by}nothing new was trained, so nothing was "
+            "saved; run the same command to go on",
+            signum,
         )
 
 
@@ -825,7 +843,7 @@ def run(args: argparse.Namespace) -> int:
         return _run(args, log, stop, training)
     except PreTrainingStop as e:
         print(f"error: {e}", file=sys.stderr)
-        return 128 + (stop.signum or signal.SIGINT)  # as the shell reports a signal
+        return 128 + e.signum  # as the shell reports a signal
     finally:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)

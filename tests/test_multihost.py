@@ -1,5 +1,6 @@
 """Multi-host training: train.py as two processes joined by jax.distributed on this
-machine (one CPU device each, one shared workdir) against one process with two devices.
+machine (one CPU device each, one shared workdir) against one process with two devices,
+with a SIGTERM to one host in between.
 
 The global batch is the same, split across hosts instead of across local devices, so
 every logged loss and gradient norm must be the same to the last bit (a sum of two
@@ -20,16 +21,41 @@ from transformer.training import read_metrics
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
 
-# Process 0 of the stale-tokenizer test: train.py with the move of a stale tokenizer held
-# back for 3 s, so that a process that does not wait for the move reads the stale file.
+# Process 0 of the two-host test: the move of a stale tokenizer held back for 3 s, so
+# that a process that does not wait for the move reads the stale file.
 SLOW_MOVE = """
-import pathlib, runpy, sys, time
+import pathlib, time
 replace = pathlib.Path.replace
 def slow_replace(self, target):
     if self.name == "tokenizer.model":
         time.sleep(3)
     return replace(self, target)
 pathlib.Path.replace = slow_replace
+"""
+# Process 1 of the two-host test: a SIGTERM to itself after step 5, as a scheduler that
+# stops one host (or each host at its own moment) sends it.
+SIGTERM_AFTER_5 = """
+import os, signal
+from transformer import training
+after_step = training.Trainer._after_step
+def after_step_then_signal(self, *args):
+    after_step(self, *args)
+    if self.step == 5:
+        os.kill(os.getpid(), signal.SIGTERM)
+training.Trainer._after_step = after_step_then_signal
+"""
+# Process 1 of the early-stop test: a SIGTERM to itself while the state loads.
+SIGTERM_IN_RESTORE = """
+import os, signal
+from transformer import training
+restore_or_init = training.Trainer.restore_or_init
+def signal_then_restore(self, *args):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return restore_or_init(self, *args)
+training.Trainer.restore_or_init = signal_then_restore
+"""
+RUN_TRAIN = """
+import runpy, sys
 sys.argv = ["train.py", *sys.argv[1:]]
 runpy.run_path("train.py", run_name="__main__")
 """
@@ -53,15 +79,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(flags, *, processes, devices, slow_move_on_0=False):
-    """Runs train.py as `processes` processes of `devices` CPU devices each; all must pass."""
+def _train(flags, *, processes, devices, preludes=None, status=0):
+    """Runs train.py as `processes` processes of `devices` CPU devices each; all must exit
+    with `status` within TIMEOUT_S. preludes: {process: Python code run before train.py}."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     port = _free_port()
     procs = []
     for i in range(processes):
         head = [sys.executable, "train.py"]
-        if slow_move_on_0 and i == 0:
-            head = [sys.executable, "-c", SLOW_MOVE]
+        if preludes and i in preludes:
+            head = [sys.executable, "-c", preludes[i] + RUN_TRAIN]
         hosts = []
         if processes > 1:
             hosts = [f"--coordinator-address=localhost:{port}", f"--num-processes={processes}"]
@@ -84,7 +111,7 @@ def _train(flags, *, processes, devices, slow_move_on_0=False):
         for p in procs:
             p.kill()
     for i, (p, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{out[-3000:]}"
+        assert p.returncode == status, f"process {i} exited with {p.returncode}:\n{out[-3000:]}"
     return outputs
 
 
@@ -109,6 +136,9 @@ def test_two_hosts_train_and_resume_as_one_host_with_two_devices(slice_dir, one_
     # checkpoint (no config), of the same size and type but trained on other text: no
     # process may use it, even one that reaches the tokenizer while process 0 is still
     # moving it aside (held back 3 s here; before, process 1 read the stale file).
+    # Process 1 alone gets a SIGTERM after step 5: both hosts must stop after one step,
+    # save it and exit (before, process 1 went to save while process 0 waited for it in
+    # the next step: both hung for ever).
     workdir = tmp_path / "two_hosts"
     workdir.mkdir()
     spec = data.CorpusSpec(dataset="files", data_dir=str(slice_dir))
@@ -117,12 +147,16 @@ def test_two_hosts_train_and_resume_as_one_host_with_two_devices(slice_dir, one_
     stale = (workdir / "tokenizer.model").read_bytes()
     assert stale != (one_host / "tokenizer.model").read_bytes()
 
-    outputs = _train(_flags(slice_dir, workdir, 8), processes=2, devices=1, slow_move_on_0=True)
+    preludes = {0: SLOW_MOVE, 1: SIGTERM_AFTER_5}
+    outputs = _train(_flags(slice_dir, workdir, 12), processes=2, devices=1, preludes=preludes)
     assert all("2 cpu device(s) on 2 host(s)" in out for out in outputs)
     assert all("moved to tokenizer.model.old" in out for out in outputs)
     assert (workdir / "tokenizer.model.old").read_bytes() == stale
-    assert [r["step"] for r in read_metrics(workdir) if "loss" in r] == [2, 4, 6, 8]
-    _train(_flags(slice_dir, workdir, 12), processes=2, devices=1)  # resumes at 8
+    assert "step 6: another host was asked to stop" in outputs[0]
+    assert all("interrupted at step 6; checkpoint saved" in out for out in outputs)
+    assert [r["step"] for r in read_metrics(workdir) if "loss" in r] == [2, 4, 6]
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["4", "6"]
+    _train(_flags(slice_dir, workdir, 12), processes=2, devices=1)  # resumes at 6
 
     expected_train, expected_val = _curve(one_host)
     train, val = _curve(workdir)
@@ -130,3 +164,14 @@ def test_two_hosts_train_and_resume_as_one_host_with_two_devices(slice_dir, one_
     assert train == expected_train  # exactly: the same global batches and the same sums
     assert val == expected_val and len(val) == 3
     assert (workdir / "tokenizer.model").read_bytes() == (one_host / "tokenizer.model").read_bytes()
+
+
+def test_a_stop_request_to_one_host_before_training_ends_every_host(slice_dir, tmp_path):
+    # Before, process 1 ended alone and process 0 trained on, waiting for it for ever.
+    workdir = tmp_path / "run"
+    flags = _flags(slice_dir, workdir, 12)
+    outputs = _train(flags, processes=2, devices=1, preludes={1: SIGTERM_IN_RESTORE}, status=143)
+    assert "SIGTERM: before training starts, then stopping" in outputs[1]
+    assert "error: stopped before training started: nothing new" in outputs[1]
+    assert "error: stopped before training started: another host was asked to stop" in outputs[0]
+    assert not workdir.exists()  # process 0 took back what the run wrote

@@ -453,6 +453,12 @@ def make_train_step(
     return jax.pmap(step, axis_name=AXIS, donate_argnums=(0,), devices=devices)
 
 
+@functools.cache
+def _stop_vote() -> Callable[[np.ndarray], jax.Array]:
+    """pmapped sum of every device's stop flag ([local devices] int32 in, global sum out)."""
+    return jax.pmap(lambda flag: lax.psum(flag, AXIS), axis_name=AXIS)
+
+
 def make_eval_step(
     model: Transformer,
     *,
@@ -919,6 +925,8 @@ class Trainer:
           stop_event: when set (e.g. by a SIGTERM handler), the current step
             finishes, a checkpoint is saved (none at step 0: an untrained one would
             join evaluate.py's average) and `run` returns with `interrupted=True`.
+            In a multi-host run, set on any host, it stops every host after the same
+            step, one or two steps later.
           check_loss: called as check_loss(step, loss) with every step's
             training loss; raises to stop. Default: `check_finite_loss`.
 
@@ -941,23 +949,41 @@ class Trainer:
             unit="step",
         )
         tracker = _StepMetrics(check_loss or check_finite_loss)
+        # A signal may reach one host of a multi-host run only, or the hosts at other
+        # steps, and a host that stopped alone would leave the others waiting in the next
+        # step's collectives for ever. There each step carries a vote, the sum over all
+        # devices of every host's stop flag, which `tracker` reads with the loss, one step
+        # late: every host reads the same sums at the same point of the loop, so all stop
+        # after the same step and save the same checkpoint.
+        vote = _stop_vote() if stop_event is not None and jax.process_count() > 1 else None
+
+        def stopping() -> bool:
+            if vote is not None:
+                return tracker.stop_voted
+            return stop_event is not None and stop_event.is_set()
+
         interrupted = False
         try:
             while self.step < total_steps:
-                if stop_event is not None and stop_event.is_set():
+                if stopping():
                     interrupted = True
+                    if not stop_event.is_set():
+                        self._log(f"step {self.step}: another host was asked to stop")
                     break
                 try:
                     batch, data_state = next(batches)
                 except StopIteration:
                     break
                 self.state, metrics = self._train(self.state, batch)
+                if vote is not None:
+                    flags = np.full(jax.local_device_count(), stop_event.is_set(), np.int32)
+                    metrics = {**metrics, "stop_votes": vote(flags)}
                 # Checks the previous step's loss while this step runs.
                 tracker.push(self.step + 1, metrics)
                 self.step += 1
                 self.data_state = data_state
                 bar.update(1)
-                self._after_step(tracker, total_steps, validation, bar, stop_event)
+                self._after_step(tracker, total_steps, validation, bar, stopping)
             tracker.settle()
             if self.step > 0:  # before the first update there is nothing trained to keep
                 self.save()
@@ -984,7 +1010,7 @@ class Trainer:
         total_steps: int,
         validation: ValidationData | None,
         bar: Any,
-        stop_event: threading.Event | None,
+        stopping: Callable[[], bool],
     ) -> None:
         """Logs, validates and checkpoints when the schedules say so; a validation due
         when a stop was asked for is skipped, since it can take longer than a scheduler
@@ -1019,7 +1045,7 @@ class Trainer:
                     f"lr {record['lr']:.2e}, {record['tokens_per_s']:,.0f} target tokens/s"
                 )
         val_bleu = None
-        if due_validation and stop_event is not None and stop_event.is_set():
+        if due_validation and stopping():
             self._log(f"step {step}: validation skipped: stopping")
         elif due_validation:
             results = self.validate(validation, bleu=due_bleu)
@@ -1058,6 +1084,7 @@ class _StepMetrics:
         self._tokens = 0
         self._clock = time.time()
         self.last_loss: float | None = None
+        self.stop_voted = False  # a settled step's "stop_votes" (multi-host) was positive
 
     def push(self, step: int, metrics: dict[str, jax.Array]) -> None:
         """Settles the previous step, then holds this one's metrics."""
@@ -1074,6 +1101,7 @@ class _StepMetrics:
         self._check_loss(step, values["loss"])
         self._tokens += int(values["num_tokens"])
         self.last_loss = values["loss"]
+        self.stop_voted |= values.pop("stop_votes", 0) > 0
         return values
 
     def tokens_per_second(self) -> float:
