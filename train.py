@@ -29,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -579,8 +580,65 @@ def sigint_ignored():
         signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
 
 
-def maybe_initialize_distributed(args: argparse.Namespace) -> None:
-    """Starts jax.distributed when the flags or environment ask for a multi-host run."""
+# Where a host of a multi-host run that ends with an error posts "STATUS LINE".
+FAILURE_KEY = "train.py/failure"
+FAILURE_BARRIER_MS = 10_000  # how long a host that ends waits for the others to read why
+
+
+class HostFailures:
+    """Ends every host of a multi-host run when one of them ends with an error.
+
+    A host that ended alone would leave the others waiting in a collective until JAX
+    missed its heartbeat (100 s) and aborted them with a crash report, or for ever. So a
+    failing host posts its exit status and error line to JAX's coordination service, and
+    a thread on every host waits for such a post, prints it and ends its process with the
+    same status. Both wait at a barrier first (at most 10 s): the coordination service
+    lives in process 0, which must outlive the post.
+    """
+
+    def __init__(self, client: Any, process: int):
+        self._client, self._process = client, process
+        self._ending = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="host-failures", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._ending.is_set():
+            try:  # waits a second at a time, so that close() ends the thread soon
+                post = self._client.blocking_key_value_get(FAILURE_KEY, 1000)
+            except Exception as e:  # jax.errors.JaxRuntimeError
+                if "DEADLINE_EXCEEDED" in str(e):
+                    continue
+                return  # the service is gone, and JAX ends this process itself
+            if self._ending.is_set():  # this host's own post
+                return
+            status, line = post.split(" ", 1)
+            print(f"error: {line}", file=sys.stderr, flush=True)
+            self._end(int(status))
+
+    def fail(self, status: int, line: str) -> None:
+        """Posts this host's error line for the others and ends the process with `status`."""
+        self._ending.set()
+        with contextlib.suppress(Exception):  # another host posted first
+            self._client.key_value_set(FAILURE_KEY, f"{status} process {self._process}: {line}")
+        self._end(status)
+
+    def _end(self, status: int) -> None:
+        with contextlib.suppress(Exception):  # a host that died never comes
+            self._client.wait_at_barrier("train.py/failure_read", FAILURE_BARRIER_MS)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)  # Python's exit would wait 5 minutes for the others' shutdown
+
+    def close(self) -> None:
+        """Stops watching (a run that ended well)."""
+        self._ending.set()
+        self._thread.join()
+
+
+def maybe_initialize_distributed(args: argparse.Namespace) -> HostFailures | None:
+    """Starts jax.distributed when the flags or environment ask for a multi-host run;
+    then returns the HostFailures of this host."""
     import jax
 
     wanted = (
@@ -590,7 +648,7 @@ def maybe_initialize_distributed(args: argparse.Namespace) -> None:
         or os.environ.get("JAX_COORDINATOR_ADDRESS")
     )
     if not wanted:
-        return
+        return None
     processes, process, address = args.num_processes, args.process_id, args.coordinator_address
     if processes is not None and processes < 1:
         raise UsageError(f"--num-processes must be >= 1, got {processes}")
@@ -620,6 +678,11 @@ def maybe_initialize_distributed(args: argparse.Namespace) -> None:
             f"cannot start the multi-host run ({reason}); give every host "
             "--coordinator-address HOST:PORT, --num-processes N and its --process-id"
         ) from None
+    if jax.process_count() == 1:
+        return None
+    import orbax.checkpoint as ocp
+
+    return HostFailures(ocp.multihost.get_jax_distributed_client(), jax.process_index())
 
 
 @dataclasses.dataclass
@@ -831,7 +894,6 @@ def check_stop_before_training(stop: StopRequest) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Trains as the flags say; returns the exit status."""
-    maybe_initialize_distributed(args)
     from tqdm.auto import tqdm
 
     log = tqdm.write
@@ -1097,30 +1159,33 @@ def main(argv: list[str] | None = None) -> int:
         args.compilation_cache,
         enabled=not args.no_compilation_cache,
     )
+    hosts = None
     try:
         with cache:
-            return run(args)
+            hosts = maybe_initialize_distributed(args)
+            status = run(args)
+        if hosts is not None:
+            hosts.close()
+        return status
     except (DataError, CheckpointError, UsageError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1 if isinstance(e, CheckpointWriteError) else 2
+        status, line = (1 if isinstance(e, CheckpointWriteError) else 2), str(e)
     except NonFiniteLossError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        status, line = 1, str(e)
     except OSError as e:  # a --workdir name too long, a full disk: not a usage error
-        print(f"error: {os_error_line(e)}", file=sys.stderr)
-        return 1
+        status, line = 1, os_error_line(e)
     except Exception as e:
-        line = out_of_memory_line(e, OUT_OF_MEMORY_ADVICE)
-        if line is None:
+        status, line = 1, out_of_memory_line(e, OUT_OF_MEMORY_ADVICE)
+        if line is None and hosts is None:
             raise
-        print(f"error: {line}", file=sys.stderr)
-        return 1
+        if line is None:  # a defect: its traceback, then its line for the other hosts
+            traceback.print_exc()
+            line = " ".join(f"unexpected {type(e).__name__}: {e}".split())[:300]
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the stop handlers
-        print(
-            "error: interrupted; run the same command to resume from the last checkpoint",
-            file=sys.stderr,
-        )
-        return 130
+        status, line = 130, "interrupted; run the same command to resume from the last checkpoint"
+    print(f"error: {line}", file=sys.stderr)
+    if hosts is not None:
+        hosts.fail(status, line)
+    return status
 
 
 if __name__ == "__main__":

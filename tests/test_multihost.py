@@ -54,6 +54,17 @@ def signal_then_restore(self, *args):
     return restore_or_init(self, *args)
 training.Trainer.restore_or_init = signal_then_restore
 """
+# Process 1 of the failure test: a disk that fills while step 3's checkpoint is written.
+FULL_DISK_AT_3 = """
+import errno
+from transformer import training
+save = training.Trainer.save
+def save_unless_step_3(self, **kwargs):
+    if self.step == 3:
+        raise OSError(errno.ENOSPC, "No space left on device", "checkpoints/3")
+    save(self, **kwargs)
+training.Trainer.save = save_unless_step_3
+"""
 RUN_TRAIN = """
 import runpy, sys
 sys.argv = ["train.py", *sys.argv[1:]]
@@ -175,3 +186,13 @@ def test_a_stop_request_to_one_host_before_training_ends_every_host(slice_dir, t
     assert "error: stopped before training started: nothing new" in outputs[1]
     assert "error: stopped before training started: another host was asked to stop" in outputs[0]
     assert not workdir.exists()  # process 0 took back what the run wrote
+
+
+def test_an_error_on_one_host_ends_every_host_with_its_line(slice_dir, tmp_path):
+    # Before, process 1 printed its error and waited 5 minutes for process 0 to shut down,
+    # while process 0 waited in step 4 for process 1; then both aborted with a crash report.
+    flags = [*_flags(slice_dir, tmp_path / "run", 12), "--checkpoint-every", "3"]
+    outputs = _train(flags, processes=2, devices=1, preludes={1: FULL_DISK_AT_3}, status=1)
+    line = "checkpoints/3: No space left on device; make room there"
+    assert f"error: {line}" in outputs[1]
+    assert f"error: process 1: {line}" in outputs[0]
