@@ -412,8 +412,11 @@ def forget_unchecked_tokenizer(
     if path.is_file() and (saved is None or _differences(saved.get("data") or {}, data_cfg)):
         aside = name_aside(path, "old")
         log(f"{path} is not from a run with these data settings: moved to {aside.name}")
-        if main_process:
-            path.replace(aside)
+    # Every process looks before process 0 moves it: one that looked later would not find
+    # it, or log the next free name.
+    ocp.multihost.sync_global_processes("tokenizer_looked")
+    if aside is not None and main_process:
+        path.replace(aside)
     # On a shared workdir no process reads the tokenizer before it is moved (the barrier
     # is a no-op on one host); one that did would tokenize with the stale vocabulary.
     ocp.multihost.sync_global_processes("tokenizer_checked")

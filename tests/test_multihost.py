@@ -32,6 +32,23 @@ def slow_replace(self, target):
     return replace(self, target)
 pathlib.Path.replace = slow_replace
 """
+# Process 1 of the two-host test: it looks for a stale tokenizer 6 s late, after process
+# 0 would have moved it, and sets aside a damaged checkpoint 3 s late.
+SLOW_LOOKS = """
+import pathlib, time
+from transformer import checkpoints
+is_file = pathlib.Path.is_file
+def slow_is_file(self):
+    if self.name == "tokenizer.model":
+        time.sleep(6)
+    return is_file(self)
+pathlib.Path.is_file = slow_is_file
+set_aside = checkpoints.Checkpoints._set_aside
+def slow_set_aside(self, step):
+    time.sleep(3)
+    return set_aside(self, step)
+checkpoints.Checkpoints._set_aside = slow_set_aside
+"""
 # Process 1 of the two-host test: a SIGTERM to itself after step 5, as a scheduler that
 # stops one host (or each host at its own moment) sends it.
 SIGTERM_AFTER_5 = """
@@ -147,9 +164,11 @@ def test_two_hosts_train_and_resume_as_one_host_with_two_devices(slice_dir, one_
     # checkpoint (no config), of the same size and type but trained on other text: no
     # process may use it, even one that reaches the tokenizer while process 0 is still
     # moving it aside (held back 3 s here; before, process 1 read the stale file).
-    # Process 1 alone gets a SIGTERM after step 5: both hosts must stop after one step,
-    # save it and exit (before, process 1 went to save while process 0 waited for it in
-    # the next step: both hung for ever).
+    # Process 1 looks for it late: it must still find it, and both must name the same
+    # place (before, it found it moved, or named the next free name). Process 1 alone
+    # gets a SIGTERM after step 5: both hosts must stop after one step, save it and exit
+    # (before, process 1 went to save while process 0 waited for it in the next step: both
+    # hung for ever). The resume finds step 6 damaged and goes on from step 4.
     workdir = tmp_path / "two_hosts"
     workdir.mkdir()
     spec = data.CorpusSpec(dataset="files", data_dir=str(slice_dir))
@@ -158,7 +177,7 @@ def test_two_hosts_train_and_resume_as_one_host_with_two_devices(slice_dir, one_
     stale = (workdir / "tokenizer.model").read_bytes()
     assert stale != (one_host / "tokenizer.model").read_bytes()
 
-    preludes = {0: SLOW_MOVE, 1: SIGTERM_AFTER_5}
+    preludes = {0: SLOW_MOVE, 1: SLOW_LOOKS + SIGTERM_AFTER_5}
     outputs = _train(_flags(slice_dir, workdir, 12), processes=2, devices=1, preludes=preludes)
     assert all("2 cpu device(s) on 2 host(s)" in out for out in outputs)
     assert all("moved to tokenizer.model.old" in out for out in outputs)
@@ -167,7 +186,14 @@ def test_two_hosts_train_and_resume_as_one_host_with_two_devices(slice_dir, one_
     assert all("interrupted at step 6; checkpoint saved" in out for out in outputs)
     assert [r["step"] for r in read_metrics(workdir) if "loss" in r] == [2, 4, 6]
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["4", "6"]
-    _train(_flags(slice_dir, workdir, 12), processes=2, devices=1)  # resumes at 6
+    for f in (workdir / "checkpoints" / "6" / "params").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\x00garbage")
+    flags = _flags(slice_dir, workdir, 12)
+    outputs = _train(flags, processes=2, devices=1, preludes={1: SLOW_LOOKS})
+    assert all("is damaged and was skipped" in out for out in outputs)
+    assert all("; kept as 6.damaged;" in out for out in outputs)
+    assert all("resumed from step 4" in out for out in outputs)
 
     expected_train, expected_val = _curve(one_host)
     train, val = _curve(workdir)

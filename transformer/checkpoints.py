@@ -620,6 +620,10 @@ class Checkpoints:
         """
         path = Path(ocp.path.step.build_step_path(self.directory, _STEP_NAME_FORMAT, step))
         aside = name_aside(path, "damaged")  # an earlier one of the same step is kept too
+        barrier = f"set_aside_{step}_{next(_set_aside_barriers)}"
+        # Every process names it before process 0 renames it: one that came later would
+        # find the name taken and log the next one.
+        ocp.multihost.sync_global_processes(f"{barrier}_named")
         if jax.process_index() == 0:
             try:
                 path.rename(aside)
@@ -630,7 +634,7 @@ class Checkpoints:
                 ) from None
         # Every process lists the steps again once it is gone (the barrier is a no-op
         # on one host); one that still listed it would skip saving that step.
-        ocp.multihost.sync_global_processes(f"set_aside_{step}_{next(_set_aside_barriers)}")
+        ocp.multihost.sync_global_processes(barrier)
         self._manager.reload()
         return aside
 
