@@ -586,6 +586,7 @@ def sigint_ignored():
 # Where a host of a multi-host run that ends with an error posts "STATUS LINE".
 FAILURE_KEY = "train.py/failure"
 FAILURE_BARRIER_MS = 10_000  # how long a host that ends waits for the others to read why
+FINISHED_BARRIER_MS = 600_000  # how long a host that ended well waits for the others
 
 
 class HostFailures:
@@ -634,7 +635,11 @@ class HostFailures:
         os._exit(status)  # Python's exit would wait 5 minutes for the others' shutdown
 
     def close(self) -> None:
-        """Stops watching (a run that ended well)."""
+        """Ends a run that ended well here: waits until every host has (watching on, so
+        that a host that fails meanwhile still ends this one with its line), then stops
+        watching."""
+        with contextlib.suppress(Exception):  # timed out: a host far behind, or gone
+            self._client.wait_at_barrier("train.py/finished", FINISHED_BARRIER_MS)
         self._ending.set()
         self._thread.join()
 

@@ -38,8 +38,10 @@ SLOW_LOOKS = """
 import pathlib, time
 from transformer import checkpoints
 is_file = pathlib.Path.is_file
+looks = []
 def slow_is_file(self):
-    if self.name == "tokenizer.model":
+    if self.name == "tokenizer.model" and not looks:
+        looks.append(self)
         time.sleep(6)
     return is_file(self)
 pathlib.Path.is_file = slow_is_file
@@ -81,6 +83,16 @@ def save_unless_step_3(self, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", "checkpoints/3")
     save(self, **kwargs)
 training.Trainer.save = save_unless_step_3
+"""
+# Process 0 of the late-failure test: the disk fills as the run's metrics are closed.
+FULL_DISK_AT_THE_END = """
+import errno
+from transformer import training
+close = training.MetricsLog.close
+def close_then_fail(self):
+    close(self)
+    raise OSError(errno.ENOSPC, "No space left on device", "metrics.jsonl")
+training.MetricsLog.close = close_then_fail
 """
 RUN_TRAIN = """
 import runpy, sys
@@ -222,3 +234,14 @@ def test_an_error_on_one_host_ends_every_host_with_its_line(slice_dir, tmp_path)
     line = "checkpoints/3: No space left on device; make room there"
     assert f"error: {line}" in outputs[1]
     assert f"error: process 1: {line}" in outputs[0]
+
+
+def test_an_error_on_one_host_after_the_others_finished_ends_them_too(slice_dir, tmp_path):
+    # Before, process 1 printed "done" and, once process 0 had ended, JAX aborted it with
+    # a crash report (-6) that did not say why.
+    flags = _flags(slice_dir, tmp_path / "run", 4)
+    outputs = _train(flags, processes=2, devices=1, preludes={0: FULL_DISK_AT_THE_END}, status=1)
+    line = "metrics.jsonl: No space left on device; make room there"
+    assert "done: step 4 of 4" in outputs[1]
+    assert f"error: {line}" in outputs[0]
+    assert f"error: process 0: {line}" in outputs[1]
