@@ -254,6 +254,30 @@ def test_stop_and_resume_gives_exactly_the_uninterrupted_parameters(
     assert elapsed == sorted(elapsed)  # the clock carries over the resume
 
 
+def test_a_stop_between_two_log_records_resumes_to_the_same_records(
+    straight_run, slice_dir, tmp_path, capsys, monkeypatch
+):
+    # A record holds the means over the steps since the last one; the checkpoint of a
+    # stop at step 6 carries the sums of steps 5 and 6 into the resumed run's record 8.
+    after_step = training.Trainer._after_step
+
+    def stop_at_6(self, *args, **kwargs):
+        if self.step == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return after_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(training.Trainer, "_after_step", stop_at_6)
+    assert train.main(_flags(slice_dir, tmp_path, "--steps", "16")) == 0
+    assert "interrupted at step 6" in capsys.readouterr().out
+    assert checkpoint_steps(tmp_path) == [4, 6]
+    monkeypatch.undo()
+    assert train.main(["--workdir", str(tmp_path), "--no-progress"]) == 0
+    fields = ("step", "loss", "nll", "grad_norm")
+    logged = [tuple(r[k] for k in fields) for r in read_metrics(tmp_path) if "loss" in r]
+    expected = [tuple(r[k] for k in fields) for r in read_metrics(straight_run) if "loss" in r]
+    assert [r[0] for r in logged] == [4, 8, 12, 16] and logged == expected
+
+
 def test_a_stop_before_the_first_update_saves_nothing_and_the_run_starts_again(
     straight_run, slice_dir, tmp_path, capsys, monkeypatch
 ):

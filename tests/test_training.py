@@ -319,3 +319,39 @@ def test_a_resume_past_a_damaged_last_checkpoint_saves_that_step_again(tiny_setu
     for a, b, c in zip(*map(jax.tree.leaves, (params, resumed, straight)), strict=True):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
+
+
+def test_a_log_record_holds_the_means_over_its_steps(tiny_setup, tmp_path):
+    # One step's loss swings with its batch's sentences; a record averages its window.
+    tokenizer, encoded, model_config = tiny_setup
+    config = TrainConfig(steps=12, log_every=4, eval_every=0, checkpoint_every=12, **_RECIPE)
+    trainer = Trainer(model_config, config, tmp_path, pad_id=tokenizer.pad_id, progress=False)
+    batcher = data.TokenBatcher(
+        encoded,
+        max_tokens=256,  # batches of a few sentences, so of different token counts
+        num_devices=jax.local_device_count(),
+        pad_id=tokenizer.pad_id,
+        bos_id=tokenizer.bos_id,
+        max_shapes=1,
+    )
+    trainer.restore_or_init(batcher)
+    trainer.open_metrics()
+    tokens, losses = [], []
+
+    def counted(batches):
+        for batch, state in batches:
+            tokens.append(int(np.sum(batch["tgt_out"] != tokenizer.pad_id)))
+            yield batch, state
+
+    result = trainer.run(
+        counted(with_data_state(batcher)), 12, check_loss=lambda step, loss: losses.append(loss)
+    )
+    trainer.close()
+    assert len(losses) == 12 and len(set(tokens)) > 1
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [4, 8, 12]
+    for r, window in zip(records, (slice(0, 4), slice(4, 8), slice(8, 12)), strict=True):
+        weighted = np.dot(losses[window], tokens[window]) / sum(tokens[window])
+        np.testing.assert_allclose(r["loss"], weighted, rtol=1e-9)
+        assert r["loss"] != losses[window][-1]
+    assert result.last_loss == records[-1]["loss"]

@@ -701,7 +701,7 @@ class TrainResult:
         update had been made).
       best_bleu: best validation BLEU of the workdir so far, or None.
       best_step: its step, or None.
-      last_loss: the last logged training loss.
+      last_loss: the last logged training loss (the mean over its log window), or None.
       checkpoint_dir: where the checkpoints are.
     """
 
@@ -779,6 +779,8 @@ class Trainer:
         self._eval_programs: dict[Layout, Callable[..., Any]] = {}
         self.step = 0
         self.data_state: dict[str, Any] | None = None
+        self.log_window = _LogWindow()  # the training metrics since the last log record
+        self.last_logged_loss: float | None = None
 
     # -- state
 
@@ -808,6 +810,7 @@ class Trainer:
                 rng=np.asarray(restored.meta["rng"], np.uint32),
             )
             self.data_state = restored.meta.get("data")
+            self.log_window = _LogWindow(restored.meta.get("log_window"))
             if batcher is not None and self.data_state is not None:
                 batcher.restore(self.data_state)
         self.state = replicate(host_state)
@@ -873,7 +876,11 @@ class Trainer:
     def save(self, *, val_bleu: float | None = None) -> None:
         """Checkpoints the current state (no-op if this step is already saved)."""
         host = unreplicate(self.state)
-        meta = {"rng": [int(x) for x in np.asarray(host.rng).ravel()], "data": self.data_state}
+        meta = {
+            "rng": [int(x) for x in np.asarray(host.rng).ravel()],
+            "data": self.data_state,
+            "log_window": self.log_window.state(),
+        }
         self.checkpoints.save(self.step, host.params, host.opt_state, meta, val_bleu=val_bleu)
 
     def params(self) -> PyTree:
@@ -948,7 +955,7 @@ class Trainer:
             dynamic_ncols=True,
             unit="step",
         )
-        tracker = _StepMetrics(check_loss or check_finite_loss)
+        tracker = _StepMetrics(check_loss or check_finite_loss, self.log_window)
         # A signal may reach one host of a multi-host run only, or the hosts at other
         # steps, and a host that stopped alone would leave the others waiting in the next
         # step's collectives for ever. There each step carries a vote, the sum over all
@@ -1000,7 +1007,7 @@ class Trainer:
             interrupted=interrupted,
             best_bleu=best_bleu,
             best_step=best_step,
-            last_loss=tracker.last_loss,
+            last_loss=self.last_logged_loss,
             checkpoint_dir=self.checkpoints.directory,
         )
 
@@ -1023,15 +1030,14 @@ class Trainer:
         due_validation = validation is not None and (due_eval or due_bleu)
         if not (due_log or due_eval or due_bleu or due_save):
             return
-        values = tracker.settle()  # nothing is saved before this step's loss is checked
+        tracker.settle()  # nothing is saved before this step's loss is checked
         if due_log:
             record = {
-                "loss": values["loss"],
-                "nll": values["nll"],
+                **self.log_window.means(),  # loss, nll and grad_norm since the last record
                 "lr": float(self.schedule(step - 1)),
-                "grad_norm": values["grad_norm"],
                 "tokens_per_s": tracker.tokens_per_second(),
             }
+            self.last_logged_loss = record["loss"]
             self._metrics.write(step, record)
             bar.set_postfix(
                 loss=f"{record['loss']:.3f}",
@@ -1071,19 +1077,70 @@ class Trainer:
             self.checkpoints.close()
 
 
+class _LogWindow:
+    """Sums of the training metrics over the steps since the last log record.
+
+    A record holds their means over its steps, not one step's values, which swing
+    with the sentence lengths of that step's batch. The sums travel in each
+    checkpoint (`state`), so a run stopped between two records and resumed logs
+    what an unbroken run logs.
+    """
+
+    def __init__(self, state: dict[str, float] | None = None):
+        self._load(state or {})
+
+    def _load(self, state: dict[str, float]) -> None:
+        self.steps = int(state.get("steps", 0))
+        self.tokens = int(state.get("tokens", 0))
+        self.loss_sum = float(state.get("loss_sum", 0.0))  # per-token loss x tokens
+        self.nll_sum = float(state.get("nll_sum", 0.0))
+        self.grad_norm_sum = float(state.get("grad_norm_sum", 0.0))
+
+    def add(self, values: dict[str, float]) -> None:
+        """Adds one step's metrics (its "loss" and "nll" are means per target token)."""
+        self.steps += 1
+        self.tokens += int(values["num_tokens"])
+        self.loss_sum += values["loss"] * values["num_tokens"]
+        self.nll_sum += values["nll"] * values["num_tokens"]
+        self.grad_norm_sum += values["grad_norm"]
+
+    def means(self) -> dict[str, float]:
+        """The window's means (loss and nll per target token, grad_norm per step); then
+        starts a new window."""
+        tokens, steps = max(self.tokens, 1), max(self.steps, 1)
+        means = {
+            "loss": self.loss_sum / tokens,
+            "nll": self.nll_sum / tokens,
+            "grad_norm": self.grad_norm_sum / steps,
+        }
+        self._load({})
+        return means
+
+    def state(self) -> dict[str, float]:
+        """The sums, JSON-serializable (Python floats round-trip exactly)."""
+        return dict(
+            steps=self.steps,
+            tokens=self.tokens,
+            loss_sum=self.loss_sum,
+            nll_sum=self.nll_sum,
+            grad_norm_sum=self.grad_norm_sum,
+        )
+
+
 class _StepMetrics:
-    """Fetches each step's metrics one step late, checks the loss, and counts throughput.
+    """Fetches each step's metrics one step late, checks the loss, adds it to the log
+    window, and counts throughput.
 
     Reading a step's metrics waits for that step; reading the previous step's
     after dispatching the next keeps the device busy while the host checks.
     """
 
-    def __init__(self, check_loss: Callable[[int, float], None]):
+    def __init__(self, check_loss: Callable[[int, float], None], window: _LogWindow):
         self._check_loss = check_loss
         self._pending: tuple[int, dict[str, jax.Array]] | None = None
         self._tokens = 0
         self._clock = time.time()
-        self.last_loss: float | None = None
+        self.window = window
         self.stop_voted = False  # a settled step's "stop_votes" (multi-host) was positive
 
     def push(self, step: int, metrics: dict[str, jax.Array]) -> None:
@@ -1091,18 +1148,17 @@ class _StepMetrics:
         self.settle()
         self._pending = (step, metrics)
 
-    def settle(self) -> dict[str, float] | None:
-        """Fetches and checks the held step's metrics (None if none is held)."""
+    def settle(self) -> None:
+        """Fetches and checks the held step's metrics and adds them to the window."""
         if self._pending is None:
-            return None
+            return
         step, metrics = self._pending
         self._pending = None
         values = {k: v.item() for k, v in unreplicate(metrics).items()}
         self._check_loss(step, values["loss"])
         self._tokens += int(values["num_tokens"])
-        self.last_loss = values["loss"]
+        self.window.add(values)
         self.stop_voted |= values.pop("stop_votes", 0) > 0
-        return values
 
     def tokens_per_second(self) -> float:
         """Real target tokens per second since the last call (or `restart_clock`)."""
