@@ -455,7 +455,7 @@ def _open_and_lock(path: Path, workdir: Path, fcntl: Any):
         try:
             lock = open(path, "a+", encoding="utf-8")
         except OSError as e:  # a folder that cannot be written
-            raise UsageError(os_error_line(e)) from None
+            raise UsageError(os_error_line(e, again="training resumes")) from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -507,7 +507,7 @@ def workdir_locked(workdir: Path, enabled: bool = True):
     try:
         workdir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a --workdir under a file, or in a folder that cannot be written
-        raise UsageError(os_error_line(e)) from None
+        raise UsageError(os_error_line(e, again="training resumes")) from None
     lock = _open_and_lock(path, workdir, fcntl)
     with lock:
         lock.seek(0)
@@ -1007,7 +1007,7 @@ def _run_locked(
                 settings.train.bleu_max_sentences,
             )
         except OSError as e:  # an unwritable --workdir, an unreadable data file
-            raise UsageError(os_error_line(e)) from None
+            raise UsageError(os_error_line(e, again="training resumes")) from None
         check_stop_before_training(stop)
         model_cfg = model_config(args, saved, loaded.tokenizer.vocab_size, loaded.tokenizer.pad_id)
         if saved is not None:
@@ -1180,7 +1180,7 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as e:
         status, line = 1, str(e)
     except OSError as e:  # a --workdir name too long, a full disk: not a usage error
-        status, line = 1, os_error_line(e)
+        status, line = 1, os_error_line(e, again="training resumes")
     except Exception as e:
         status, line = 1, out_of_memory_line(e, OUT_OF_MEMORY_ADVICE)
         if line is None and hosts is None:

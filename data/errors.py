@@ -19,12 +19,14 @@ class MissingSplitError(DataError):
     """The corpus has no such split (training goes on without validation then)."""
 
 
-def os_error_line(error: OSError) -> str:
+def os_error_line(error: OSError, *, again: str | None = None) -> str:
     """An OSError as one line for the user: ``path: reason`` where it names a file, and
-    what to do where the disk is full."""
+    what to do where the disk is full (then `again`, such as "training resumes", says
+    in brackets what running the command again does)."""
     line = f"{error.filename}: {error.strerror}" if error.filename else str(error)
     if error.errno == errno.ENOSPC:
-        line += "; make room there and run the same command again (training resumes)"
+        line += "; make room there and run the same command again"
+        line += f" ({again})" if again else ""
     return line
 
 

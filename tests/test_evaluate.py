@@ -215,6 +215,46 @@ def test_an_output_folder_that_cannot_be_written_is_an_error_before_decoding(wor
     assert err.startswith("error: --output /proc/hyp.de: cannot write there (")
 
 
+def test_a_damaged_newest_checkpoint_is_named_in_the_header_of_last_and_best(
+    workdir, tmp_path, capsys
+):
+    run = tmp_path / "run"
+    shutil.copytree(workdir, run)
+    for f in (run / "checkpoints" / "400" / "params").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\x00garbage")
+    src = tmp_path / "src.en"
+    src.write_text("A man rides a bike.\n", encoding="utf-8")
+    argv = [
+        "--workdir",
+        run,
+        "--src-file",
+        src,
+        "--greedy",
+        *FAST[2:],
+        "--output",
+        tmp_path / "hyp",
+    ]
+    for which, label in [
+        ("last", "the newest readable: the last, step 400, is damaged"),
+        ("best", "the newest readable: no checkpoint has a validation BLEU"),
+    ]:
+        code, _, err = _run([*argv, "--checkpoint", which], capsys)
+        assert code == 0, err
+        assert "step 400" in err and f"step 300 ({label});" in err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_full_disk_is_one_line_that_promises_no_training(workdir, tmp_path, capsys):
+    (tmp_path / "in.en").write_text("A dog runs.\n")
+    argv = ["--workdir", workdir, "--translate", "--input", tmp_path / "in.en"]
+    code, out, err = _run([*argv, "--output", "/dev/full", *FAST], capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1] == (
+        "error: /dev/full: No space left on device; make room there and run the same command again"
+    )
+
+
 def test_attention_plots_are_png_files(workdir, tmp_path, capsys):
     plot_dir = tmp_path / "plots"
     argv = ["--workdir", workdir, "--split", "test2016", *FAST]

@@ -429,13 +429,16 @@ def load_run(
     else:
         params, step = checkpoints.restore_params(workdir, checkpoint, log=log)
         label = checkpoint
-        if checkpoint == "best":
+        if checkpoint in ("best", "last"):  # say so where a damaged one was passed over
             with checkpoints.Checkpoints(workdir, read_only=True, log=log) as ckpts:
-                best = ckpts.best_step()
-            if best is None:
-                label = "the newest: no checkpoint has a validation BLEU"
-            elif best != step:
-                label = f"the newest readable: the best, step {best}, is damaged"
+                newest, best = ckpts.latest_step(), ckpts.best_step()
+            newest_label = "the newest" if step == newest else "the newest readable"
+            if checkpoint == "last" and step != newest:
+                label = f"the newest readable: the last, step {newest}, is damaged"
+            elif checkpoint == "best" and best is None:
+                label = f"{newest_label}: no checkpoint has a validation BLEU"
+            elif checkpoint == "best" and best != step:
+                label = f"{newest_label}: the best, step {best}, is damaged"
         description = f"step {step}" + (f" ({label})" if isinstance(label, str) else "")
     _check_params_fit(model, params, workdir)
     return Run(model, params, tokenizer, config, description)
