@@ -397,3 +397,45 @@ def test_a_pad_id_outside_the_vocabulary_is_a_config_error(pad_id):
     # 40 of 40 embedded as NaN and made every logit NaN; -1 took the last row.
     with pytest.raises(ValueError, match="pad_id must be in"):
         _config(pad_id=pad_id)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("vocab_size", "8000", "vocab_size must be an integer, got '8000'"),
+        ("d_model", 32.0, "d_model must be an integer, got 32.0"),
+        ("num_heads", True, "num_heads must be an integer, got True"),
+        ("share_embeddings", "no", "share_embeddings must be True or False, got 'no'"),
+        ("dropout_rate", "0.1", "dropout_rate must be a number, got '0.1'"),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_a_config_error_naming_it(field, value, message):
+    # Before: a float width built and failed in init on its shapes, "no" meant True.
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        TransformerConfig.preset("tiny", **{"vocab_size": VOCAB, field: value})
+    numpy_scalars = dict(vocab_size=np.int64(VOCAB), pre_layer_norm=np.bool_(True))
+    assert TransformerConfig.preset("tiny", **numpy_scalars).vocab_size == VOCAB
+
+
+def test_source_and_target_of_different_batches_are_an_error_naming_both():
+    rng = np.random.default_rng(0)
+    src, tgt = _batch(rng)
+    model, params = _init(_config(), src, tgt)
+    with pytest.raises(ValueError, match=r"queries' batch \(1\) is not a multiple of .* \(3\)"):
+        model.apply({"params": params}, src, tgt[:1])
+
+
+def test_reverse_mode_autodiff_works_and_forward_mode_is_refused_as_the_readme_says():
+    rng = np.random.default_rng(0)
+    src, tgt = _batch(rng)
+    model, params = _init(_config(), src, tgt)
+
+    def total(p):
+        return model.apply({"params": p}, src, tgt).sum()
+
+    grads = jax.grad(total)(params)
+    assert jax.tree.structure(grads) == jax.tree.structure(params)
+    with pytest.raises(
+        TypeError, match=r"can't apply forward-mode autodiff \(jvp\) to a custom_vjp"
+    ):
+        jax.jvp(total, (params,), (params,))

@@ -154,6 +154,12 @@ class MultiHeadAttention(nn.Module):
 
         # Beam search: r beams per sentence query one copy of the source K/V.
         batch_q, len_q = q_BQHD.shape[:2]
+        if batch_q % k_BKHD.shape[0]:
+            raise ValueError(
+                f"the queries' batch ({batch_q}) is not a multiple of the keys' and values' "
+                f"({k_BKHD.shape[0]}): give the target and the source the same batch (or, "
+                "in beam search, r rows per source sentence, a sentence's rows adjacent)"
+            )
         beams = batch_q // k_BKHD.shape[0]
         if beams > 1:
             q_BQHD = q_BQHD.reshape(k_BKHD.shape[0], beams * len_q, *q_BQHD.shape[2:])

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from transformer.dropout import check_rate
 
@@ -88,8 +90,8 @@ class TransformerConfig:
         (benchmarks/EXPERIMENTS.md).
       pre_layer_norm: False is the paper's post-LN, x = LN(x + sublayer(x));
         True is pre-LN, x = x + sublayer(LN(x)), which trains more stably.
-      dtype: compute dtype name ("float32" or "bfloat16"); parameters are
-        always stored in float32 and softmax runs in float32.
+      dtype: compute dtype name ("float32", "bfloat16" or "float16"); parameters
+        are always stored in float32 and softmax runs in float32.
       matmul_dtype: the dtype every matmul's operands are rounded to, forward
         and backward; the products accumulate in float32 and come back in
         `dtype`. None takes them as they are, in `dtype`. "bfloat16" with the
@@ -124,11 +126,21 @@ class TransformerConfig:
             "num_encoder_layers",
             "num_decoder_layers",
             "max_len",
+            "pad_id",
         ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if value < 1 and name != "pad_id":
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        for name in ("share_embeddings", "attention_bias", "pre_layer_norm"):
+            if not isinstance(getattr(self, name), bool | np.bool_):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("dropout_rate", "attention_dropout_rate"):
-            check_rate(getattr(self, name), name)
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            check_rate(value, name)
         if not 0 <= self.pad_id < self.vocab_size:  # an id past the table embeds as NaN
             raise ValueError(f"pad_id must be in [0, vocab_size), got {self.pad_id}")
         if self.d_model % self.num_heads:
