@@ -43,6 +43,19 @@ def _flags(slice_dir, workdir, *extra):
     ]  # fmt: skip
 
 
+def _sigterm_after_step(step, monkeypatch):
+    """Sends this process a SIGTERM once training reaches `step` (before its logging and
+    saving), as a scheduler would."""
+    after_step = training.Trainer._after_step
+
+    def signalled(self, *args, **kwargs):
+        if self.step == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return after_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(training.Trainer, "_after_step", signalled)
+
+
 def _params_equal(a, b):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
@@ -259,14 +272,7 @@ def test_a_stop_between_two_log_records_resumes_to_the_same_records(
 ):
     # A record holds the means over the steps since the last one; the checkpoint of a
     # stop at step 6 carries the sums of steps 5 and 6 into the resumed run's record 8.
-    after_step = training.Trainer._after_step
-
-    def stop_at_6(self, *args, **kwargs):
-        if self.step == 6:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return after_step(self, *args, **kwargs)
-
-    monkeypatch.setattr(training.Trainer, "_after_step", stop_at_6)
+    _sigterm_after_step(6, monkeypatch)
     assert train.main(_flags(slice_dir, tmp_path, "--steps", "16")) == 0
     assert "interrupted at step 6" in capsys.readouterr().out
     assert checkpoint_steps(tmp_path) == [4, 6]
@@ -304,14 +310,7 @@ def test_a_stop_asked_for_before_a_validation_skips_it_and_saves(
     slice_dir, tmp_path, capsys, monkeypatch
 ):
     # A full validation can outlast the time a scheduler allows between SIGTERM and SIGKILL.
-    after_step = training.Trainer._after_step
-
-    def stop_at_8(self, *args, **kwargs):
-        if self.step == 8:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return after_step(self, *args, **kwargs)
-
-    monkeypatch.setattr(training.Trainer, "_after_step", stop_at_8)
+    _sigterm_after_step(8, monkeypatch)
     extra = ["--steps", "16", "--eval-every", "8", "--bleu-every", "8"]
     assert train.main(_flags(slice_dir, tmp_path, *extra)) == 0
     out = capsys.readouterr().out
