@@ -587,6 +587,9 @@ def sigint_ignored():
 FAILURE_KEY = "train.py/failure"
 FAILURE_BARRIER_MS = 10_000  # how long a host that ends waits for the others to read why
 FINISHED_BARRIER_MS = 600_000  # how long a host that ended well waits for the others
+# How long process 0, whose exit ends the coordination service, outlives the barrier after
+# a failure: a host still there when the service goes is aborted by JAX with a crash report.
+LAST_EXIT_S = 2.0
 
 
 class HostFailures:
@@ -628,10 +631,12 @@ class HostFailures:
         self._end(status)
 
     def _end(self, status: int) -> None:
-        with contextlib.suppress(Exception):  # a host that died never comes
-            self._client.wait_at_barrier("train.py/failure_read", FAILURE_BARRIER_MS)
         sys.stdout.flush()
         sys.stderr.flush()
+        with contextlib.suppress(Exception):  # a host that died never comes
+            self._client.wait_at_barrier("train.py/failure_read", FAILURE_BARRIER_MS)
+        if self._process == 0:  # the others end at once; the service must outlive them
+            time.sleep(LAST_EXIT_S)
         os._exit(status)  # Python's exit would wait 5 minutes for the others' shutdown
 
     def close(self) -> None:
