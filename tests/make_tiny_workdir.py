@@ -2,7 +2,8 @@
 
   python tests/make_tiny_workdir.py WORKDIR [--steps N] [--multi30k DIR]
 
-or from a test: `make_tiny_workdir(tmp_path / "run", multi30k_dir, steps=2)`. It writes
+or from a test: `make_tiny_workdir(tmp_path / "run", multi30k_dir, steps=2)`; tests also
+damage a checkpoint of a workdir with `damage_checkpoint`. It writes
 the first 300 train and 24 val lines of Multi30k en-de into WORKDIR/../tiny_data and
 runs train.py on them with the tiny preset (vocabulary 400, max_len 64, one batch
 shape, no validation), so the workdir has config.json, tokenizer.model,
@@ -45,6 +46,14 @@ def make_tiny_workdir(workdir: Path, multi30k_dir: Path, steps: int = 2) -> Path
     if code != 0:
         raise RuntimeError(f"train.py exited with {code}")
     return workdir
+
+
+def damage_checkpoint(step_dir: Path) -> None:
+    """Overwrites every file of a checkpoint's parameters with garbage, as a torn write or
+    a bad disk would leave them."""
+    for f in (Path(step_dir) / "params").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\x00garbage")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+from tests.make_tiny_workdir import damage_checkpoint
 from transformer import Transformer, TransformerConfig, checkpoints
 from transformer.checkpoints import (
     CheckpointError,
@@ -54,12 +55,6 @@ _OPT = {"count": np.zeros((), np.int32)}
 
 def _shifted(params, by: float):
     return jax.tree.map(lambda x: x + np.float32(by), params)
-
-
-def _damage(step_dir: Path) -> None:
-    for f in (step_dir / "params").rglob("*"):
-        if f.is_file():
-            f.write_bytes(b"\x00garbage")
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +148,7 @@ def test_damaged_latest_is_reported_and_the_one_before_used(tmp_path, params):
     with Checkpoints(tmp_path, keep=3) as ckpts:
         ckpts.save(1, _shifted(params, 1), _OPT, {"rng": [0, 1]})
         ckpts.save(2, _shifted(params, 2), _OPT, {"rng": [0, 2]})
-    _damage(tmp_path / "checkpoints" / "2")
+    damage_checkpoint(tmp_path / "checkpoints" / "2")
     warnings = []
     # Reading for evaluation leaves the workdir as it is.
     assert restore_params(tmp_path, "last", log=warnings.append)[1] == 1
@@ -172,7 +167,7 @@ def test_a_resume_sets_a_damaged_latest_aside_so_that_its_step_is_saved_again(tm
     with Checkpoints(tmp_path, keep=3) as ckpts:
         ckpts.save(1, _shifted(params, 1), _OPT, {"rng": [0, 1]})
         ckpts.save(2, _shifted(params, 2), _OPT, {"rng": [0, 2]})
-    _damage(tmp_path / "checkpoints" / "2")
+    damage_checkpoint(tmp_path / "checkpoints" / "2")
     damaged_files = {
         f.relative_to(tmp_path / "checkpoints" / "2"): f.read_bytes()
         for f in (tmp_path / "checkpoints" / "2").rglob("*")
@@ -202,7 +197,7 @@ def test_every_checkpoint_damaged_is_an_error_that_moves_nothing(tmp_path, param
         ckpts.save(1, params, _OPT, {})
         ckpts.save(2, params, _OPT, {})
     for step in (1, 2):
-        _damage(tmp_path / "checkpoints" / str(step))
+        damage_checkpoint(tmp_path / "checkpoints" / str(step))
     warnings = []
     with (
         Checkpoints(tmp_path, keep=3, log=warnings.append) as ckpts,
@@ -261,7 +256,7 @@ def test_late_reads_are_dropped_from_before_a_read_starts(tmp_path, params, monk
     with Checkpoints(tmp_path, keep=3) as ckpts:
         ckpts.save(1, params, _OPT, {})
         ckpts.save(2, params, _OPT, {})
-    _damage(tmp_path / "checkpoints" / "2")
+    damage_checkpoint(tmp_path / "checkpoints" / "2")
     filter_on_at_read = []
 
     def recording(read):
@@ -310,7 +305,7 @@ def test_restore_last_reads_the_newest_k_in_order_and_refuses_what_it_cannot_ave
     with pytest.raises(CheckpointError, match=r"no checkpoints in .*missing"):
         restore_last(tmp_path / "never_trained", 1)
     # Averaging never skips a damaged checkpoint silently: the average would be another one.
-    _damage(tmp_path / "checkpoints" / "3")
+    damage_checkpoint(tmp_path / "checkpoints" / "3")
     with pytest.raises(CheckpointError, match="checkpoint step 3 in .* cannot be read") as info:
         restore_last(tmp_path, 2)
     assert "\n" not in str(info.value)

@@ -15,6 +15,7 @@ from matplotlib import image as mpimg
 import data
 import evaluate
 import train
+from tests.make_tiny_workdir import damage_checkpoint
 from transformer import TransformerConfig, checkpoints, training, translate
 
 N_TEST = 16
@@ -220,9 +221,7 @@ def test_a_damaged_newest_checkpoint_is_named_in_the_header_of_last_and_best(
 ):
     run = tmp_path / "run"
     shutil.copytree(workdir, run)
-    for f in (run / "checkpoints" / "400" / "params").rglob("*"):
-        if f.is_file():
-            f.write_bytes(b"\x00garbage")
+    damage_checkpoint(run / "checkpoints" / "400")
     src = tmp_path / "src.en"
     src.write_text("A man rides a bike.\n", encoding="utf-8")
     argv = [

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import data
+from tests.make_tiny_workdir import damage_checkpoint
 from transformer.training import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,9 +199,7 @@ def test_two_hosts_train_and_resume_as_one_host_with_two_devices(slice_dir, one_
     assert all("interrupted at step 6; checkpoint saved" in out for out in outputs)
     assert [r["step"] for r in read_metrics(workdir) if "loss" in r] == [2, 4, 6]
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["4", "6"]
-    for f in (workdir / "checkpoints" / "6" / "params").rglob("*"):
-        if f.is_file():
-            f.write_bytes(b"\x00garbage")
+    damage_checkpoint(workdir / "checkpoints" / "6")
     flags = _flags(slice_dir, workdir, 12)
     outputs = _train(flags, processes=2, devices=1, preludes={1: SLOW_LOOKS})
     assert all("is damaged and was skipped" in out for out in outputs)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import data
+from tests.make_tiny_workdir import damage_checkpoint
 from transformer import TransformerConfig
 from transformer.checkpoints import checkpoint_steps, restore_params
 from transformer.training import (
@@ -303,9 +304,7 @@ def test_a_resume_past_a_damaged_last_checkpoint_saves_that_step_again(tiny_setu
         return start, trainer.params()
 
     _, straight = train(log=print)
-    for f in (tmp_path / "checkpoints" / "8" / "params").rglob("*"):
-        if f.is_file():
-            f.write_bytes(b"\x00garbage")
+    damage_checkpoint(tmp_path / "checkpoints" / "8")
     lines = []
     start, resumed = train(log=lines.append)
     warnings = [line for line in lines if line.startswith("warning: ")]
