@@ -52,6 +52,8 @@ from transformer.translate import (
     translate_ids,
 )
 
+STDOUT = "-"  # --output's name for standard output
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse, with a mistyped or missing flag as one line instead of the whole usage."""
@@ -85,7 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="only draw the training curve (loss, validation BLEU against time) to this PNG file "
         "(.png is added to a name without a suffix)",
     )
-    p.add_argument("--output", help="write the translations here, one per input line")
+    p.add_argument(
+        "--output",
+        help="write the translations here, one per input line ('-': to stdout, the scores "
+        "then to stderr)",
+    )
     model = p.add_argument_group("parameters")
     model.add_argument(
         "--checkpoint",
@@ -171,6 +177,8 @@ def _check_args(args: argparse.Namespace) -> None:
             "--src-file alone would translate into nothing: add --output FILE (or --ref-file "
             "to score the translations; --translate --input FILE prints them)"
         )
+    if args.output == STDOUT and args.translate:
+        raise UsageError("--translate prints the translations already: drop --output -")
     if args.input and not args.translate:
         raise UsageError("--input goes with --translate (use --src-file to score a file)")
     for name in ("beam", "max_tokens"):
@@ -215,8 +223,9 @@ def load_sources_and_references(
             "put the files back there or score them with --src-file and --ref-file"
         )
     corpus = load_corpus(spec, args.split, clean=False)
+    output = args.output if args.output != STDOUT else None
     for path, side in ((corpus.src_path, "source"), (corpus.tgt_path, "reference")):
-        if args.output and path and Path(path).resolve() == Path(args.output).resolve():
+        if output and path and Path(path).resolve() == Path(output).resolve():
             raise UsageError(
                 f"--output {args.output} is split {args.split}'s {side} file; "
                 "name another file, or it would be overwritten"
@@ -320,7 +329,7 @@ def _check_can_create(flag: str, name: str, directory: Path) -> None:
 
 def _check_output_places(args: argparse.Namespace) -> None:
     """Fails before decoding, not after, where --output or --plot-dir cannot be written."""
-    if args.output:
+    if args.output and args.output != STDOUT:
         output = Path(args.output)
         if output.is_dir():
             raise UsageError(f"--output {args.output} is a directory; name a file")
@@ -387,7 +396,9 @@ def _evaluate(args: argparse.Namespace, load: Callable[[argparse.Namespace], Run
             return plot_curve(args.workdir, args.plot_curve)
         run = load(args)
         sources, references, name = load_sources_and_references(args, run)
-        log = print if not args.translate else lambda *a: print(*a, file=sys.stderr)
+        # Where the translations go to stdout, the scores go to stderr, out of their way.
+        to_stdout = args.translate or args.output == STDOUT
+        log = print if not to_stdout else lambda *a: print(*a, file=sys.stderr)
         search = "greedy" if args.greedy else f"beam {args.beam}, alpha {args.alpha}"
         print(
             f"{args.workdir}: {run.checkpoint}; {name}: {len(sources)} sentences; {search}",
@@ -413,9 +424,9 @@ def _evaluate(args: argparse.Namespace, load: Callable[[argparse.Namespace], Run
         )
         hypotheses = detokenize(tok, hyp_ids)
         print(f"decoded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-        if args.output:
+        if args.output and args.output != STDOUT:
             write_text_atomically(args.output, "".join(h + "\n" for h in hypotheses))
-        if args.translate:
+        if to_stdout:
             sys.stdout.write("".join(h + "\n" for h in hypotheses))
         if references is not None:
             for line in score(hypotheses, references):

@@ -171,6 +171,32 @@ def test_average_last_and_src_file(workdir, tmp_path, capsys):
     assert code == 0 and "step 400 (the newest: no checkpoint has a validation BLEU);" in err
 
 
+def test_output_dash_prints_the_translations_and_moves_the_scores_to_stderr(
+    workdir, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)  # where a file named "-" would land
+    src, ref = tmp_path / "src.en", tmp_path / "ref.de"
+    src.write_text("A man rides a bike.\nA woman sings.\nTwo dogs play.\n", encoding="utf-8")
+    ref.write_text("Ein Mann fährt Rad.\nEine Frau singt.\nZwei Hunde spielen.\n", encoding="utf-8")
+    hyp = tmp_path / "hyp.de"
+    argv = ["--workdir", workdir, "--src-file", src, "--ref-file", ref, *FAST]
+    code, file_out, err = _run([*argv, "--output", hyp], capsys)
+    assert code == 0, err
+    code, out, err = _run([*argv, "--output", "-"], capsys)
+    assert code == 0, err
+    assert out == hyp.read_text(encoding="utf-8")  # the translations alone, as in the file
+    assert _score_text(err, "BLEU") == _score_text(file_out, "BLEU")
+    assert _score_text(err, "chrF2") == _score_text(file_out, "chrF2")
+    assert not (tmp_path / "-").exists()
+    # --translate --output FILE writes both the file and stdout; "-" would print twice.
+    translate_argv = ["--workdir", workdir, "--translate", "--input", src, *FAST]
+    code, out, err = _run([*translate_argv, "--output", tmp_path / "t.de"], capsys)
+    assert code == 0 and out == hyp.read_text(encoding="utf-8") == (tmp_path / "t.de").read_text()
+    code, out, err = _run([*translate_argv, "--output", "-"], capsys)
+    assert code == 2 and out == ""
+    assert err == "error: --translate prints the translations already: drop --output -\n"
+
+
 def test_src_file_with_nowhere_for_the_translations_is_an_error_before_decoding(
     workdir, tmp_path, capsys
 ):
