@@ -196,6 +196,11 @@ def test_step_programs_compiled_side_by_side_train_exactly_as_one_by_one(slice_d
     # The run's clock counts the compiling, as it does when each program comes with its step.
     seconds = float(runs["ahead"].split("compiled: ")[1].split(" programs in ")[1].split(" s")[0])
     assert read_metrics(tmp_path / "ahead")[0]["elapsed_s"] >= seconds
+    # And so does the time on the "done" line (it left the compiling out).
+    done = runs["ahead"].split("done: step 12 of 12 in ")[1][:8]
+    hours, minutes, secs = (int(part) for part in done.split(":"))
+    last_record = read_metrics(tmp_path / "ahead")[-1]
+    assert hours * 3600 + minutes * 60 + secs >= int(last_record["elapsed_s"])
 
 
 def test_validation_programs_are_compiled_ahead_only_when_a_validation_is_due():
