@@ -110,3 +110,30 @@ def test_an_interrupted_save_leaves_the_old_picture_whole(tmp_path, monkeypatch)
         plot_training_curve(records[:2], tmp_path / "curve.png")
     assert Path(path).read_bytes() == old
     assert [p.name for p in tmp_path.iterdir()] == ["curve.png"]  # no temporary file left
+
+
+def test_the_curve_legend_covers_no_plotted_point(monkeypatch):
+    # The legend sat inside the axes ("center right"), where a short run's points can be.
+    import transformer.visualize as visualize
+
+    drawn = []
+    monkeypatch.setattr(visualize, "_save_png", lambda fig, path, dpi: drawn.append(fig))
+    records = []
+    for step in range(1, 21):  # a training loss through the middle, right edge included
+        records.append({"step": step, "loss": 4.0, "elapsed_s": 30.0 * step})
+        if step % 2 == 0:
+            val = {"val_loss": 2.0 + 4 * (step % 4 == 0), "val_bleu": 1.5 * step}
+            records.append({"step": step, "elapsed_s": 30.0 * step, **val})
+    plot_training_curve(records, "unused.png")
+    [fig] = drawn
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    [legend] = fig.legends or [a.get_legend() for a in fig.axes if a.get_legend()]
+    box = legend.get_window_extent(renderer)
+    points = np.concatenate(
+        [line.get_transform().transform(line.get_xydata()) for ax in fig.axes for line in ax.lines]
+    )
+    assert len(points) == 20 + 10 + 10
+    inside = (box.x0 <= points[:, 0]) & (points[:, 0] <= box.x1)
+    inside &= (box.y0 <= points[:, 1]) & (points[:, 1] <= box.y1)
+    assert not inside.any(), points[inside]

@@ -272,7 +272,8 @@ def plot_training_curve(records: Sequence[dict[str, float]], path: str | os.Path
         bleu_ax.set_ylabel("validation BLEU (sacreBLEU, greedy)")
         more_handles, more_labels = bleu_ax.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
-    loss_ax.legend(handles, labels, loc="center right")
+    # Below the axes, not in them, where it would cover the points of some runs.
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(handles), frameon=False)
     loss_ax.set_title(f"{train[-1]['step']:.0f} steps in {train[-1]['elapsed_s'] / 60:.1f} min")
     _save_png(fig, path, dpi=120)
     return str(path)
