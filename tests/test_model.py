@@ -1,6 +1,7 @@
 """Properties of the model library that users rely on, all checked under jax.jit."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -413,8 +414,13 @@ def test_a_field_of_the_wrong_type_is_a_config_error_naming_it(field, value, mes
     # Before: a float width built and failed in init on its shapes, "no" meant True.
     with pytest.raises(ValueError, match=f"^{message}$"):
         TransformerConfig.preset("tiny", **{"vocab_size": VOCAB, field: value})
-    numpy_scalars = dict(vocab_size=np.int64(VOCAB), pre_layer_norm=np.bool_(True))
-    assert TransformerConfig.preset("tiny", **numpy_scalars).vocab_size == VOCAB
+    numpy_scalars = dict(
+        vocab_size=np.int64(VOCAB), pre_layer_norm=np.bool_(True), dropout_rate=np.float64(0.25)
+    )
+    config = TransformerConfig.preset("tiny", **numpy_scalars)
+    assert config.vocab_size == VOCAB and config.pre_layer_norm and config.dropout_rate == 0.25
+    # Taken as Python's numbers, so the config json.dumps can write (train.py's config.json).
+    assert TransformerConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
 
 
 def test_source_and_target_of_different_batches_are_an_error_naming_both():

@@ -133,14 +133,17 @@ class TransformerConfig:
                 raise ValueError(f"{name} must be an integer, got {value!r}")
             if value < 1 and name != "pad_id":
                 raise ValueError(f"{name} must be >= 1, got {value}")
+            object.__setattr__(self, name, int(value))  # a NumPy integer as Python's, for JSON
         for name in ("share_embeddings", "attention_bias", "pre_layer_norm"):
             if not isinstance(getattr(self, name), bool | np.bool_):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, bool(getattr(self, name)))
         for name in ("dropout_rate", "attention_dropout_rate"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Real) or isinstance(value, bool):
                 raise ValueError(f"{name} must be a number, got {value!r}")
             check_rate(value, name)
+            object.__setattr__(self, name, float(value))
         if not 0 <= self.pad_id < self.vocab_size:  # an id past the table embeds as NaN
             raise ValueError(f"pad_id must be in [0, vocab_size), got {self.pad_id}")
         if self.d_model % self.num_heads:
