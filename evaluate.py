@@ -42,7 +42,11 @@ from data import CorpusSpec, DataError, decode_lines, load_corpus, read_aligned_
 from data.errors import os_error_line, out_of_memory_line
 from data.text import is_written_in_place, write_text_atomically
 from transformer.checkpoints import CONFIG_FILE, CheckpointError
-from transformer.compilation_cache import EMPTY_CACHE_FLAG, persistent_compilation_cache
+from transformer.compilation_cache import (
+    EMPTY_CACHE_FLAG,
+    exit_process,
+    persistent_compilation_cache,
+)
 from transformer.translate import (
     DEFAULT_AVERAGE_LAST,
     Run,
@@ -453,4 +457,4 @@ def _evaluate(args: argparse.Namespace, load: Callable[[argparse.Namespace], Run
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

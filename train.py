@@ -823,11 +823,12 @@ def validates_between(config, start: int, total_steps: int) -> bool:
 
 
 def compile_step_programs(
-    trainer, loaded: TrainingData, log, *, start: int, total_steps: int, stop: threading.Event
+    trainer, loaded: TrainingData, log, *, start: int, total_steps: int, stop: StopRequest
 ) -> None:
     """Compiles the train step for every batch shape, and the eval step for every
     validation one if a validation is due, side by side before the first step (not one by
-    one as shapes come). A stop request ends it without waiting for the rest."""
+    one as shapes come). A stop request ends it without waiting for the compilations
+    under way, which `exit_process` does not wait for either."""
     from transformer.compilation_cache import available_cores
     from transformer.training import batch_layout
 
@@ -841,7 +842,11 @@ def compile_step_programs(
         f"up to {available_cores()} at a time"
     )
     began = time.time()
-    count = trainer.compile_steps(train, evals, stop=stop)
+    stop.compiling = True
+    try:
+        count = trainer.compile_steps(train, evals, stop=stop)
+    finally:
+        stop.compiling = False
     if stop.is_set():
         log(f"compiling stopped: {count} of {len(train) + len(evals)} programs compiled")
     else:
@@ -859,9 +864,11 @@ class PreTrainingStop(Exception):
 
 
 class StopRequest(threading.Event):
-    """Set by SIGINT or SIGTERM; `signum` says which came first."""
+    """Set by SIGINT or SIGTERM; `signum` says which came first. `compiling` is True while
+    the step programs are compiled before the first step, where a stop saves nothing."""
 
     signum: int | None = None
+    compiling: bool = False
 
 
 def install_stop_handlers(stop: StopRequest, log, training: threading.Event) -> dict[int, Any]:
@@ -875,8 +882,13 @@ def install_stop_handlers(stop: StopRequest, log, training: threading.Event) -> 
         if stop.signum is None:
             stop.signum = signum
         stop.set()
-        what = "saving a checkpoint" if training.is_set() else "before training starts"
-        log(f"{signal.Signals(signum).name}: {what}, then stopping")
+        if stop.compiling:
+            what = "stopping the compiling; nothing new was trained, so nothing is saved"
+        elif training.is_set():
+            what = "saving a checkpoint, then stopping"
+        else:
+            what = "before training starts, then stopping"
+        log(f"{signal.Signals(signum).name}: {what}")
 
     previous = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -1205,4 +1217,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # Programs compiled side by side may still be compiling after a stop or an error:
+    # exit without waiting for them (and without loading JAX where the run never did).
+    if "transformer.compilation_cache" in sys.modules:
+        from transformer.compilation_cache import exit_process
+
+        exit_process(status)
+    sys.exit(status)

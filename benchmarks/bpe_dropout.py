@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 import train  # noqa: E402
 from data.batching import encode_corpus  # noqa: E402  (train.py calls data.encode_corpus)
+from transformer.compilation_cache import exit_process  # noqa: E402
 
 
 class SamplingTokenizer:
@@ -109,4 +110,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

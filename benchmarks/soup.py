@@ -24,6 +24,7 @@ from transformer.checkpoints import (  # noqa: E402
     restore_last,
     tree_shapes,
 )
+from transformer.compilation_cache import exit_process  # noqa: E402
 from transformer.translate import Run, load_model  # noqa: E402
 
 
@@ -75,4 +76,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -2,6 +2,8 @@
 with the same results, and the cache leaves no global setting behind."""
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -11,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import train
-from tests.make_tiny_workdir import tiny_train_flags
+from tests.make_tiny_workdir import ROOT, tiny_train_flags
 from transformer.compilation_cache import (
     compile_side_by_side,
     default_cache_dir,
@@ -172,38 +174,98 @@ def test_no_compilation_cache_flag_writes_nothing(tmp_path, multi30k_slice, monk
 
 
 class _SlowProgram:
-    """Stands in for a `jax.stages.Lowered`: its compile() sleeps, then returns or raises."""
+    """Stands in for a `jax.stages.Lowered`: its compile() sleeps, then returns or raises.
+    `log` gets ("lowered" or "started", name, thread name) as `lower` and `compile` run."""
 
-    def __init__(self, name, seconds, error=None):
+    def __init__(self, name, seconds, error=None, log=None):
         self.name, self.seconds, self.error = name, seconds, error
+        self.log = log if log is not None else []
+
+    def lower(self):
+        self.log.append(("lowered", self.name, threading.current_thread().name))
+        return self
 
     def compile(self):
+        self.log.append(("started", self.name, threading.current_thread().name))
         time.sleep(self.seconds)
         if self.error is not None:
             raise self.error
         return f"compiled {self.name}"
 
 
+def _lowerings(programs):
+    return [program.lower for program in programs]
+
+
+def _started(log):
+    return [name for what, name, _ in log if what == "started"]
+
+
 def test_side_by_side_returns_every_program_in_order_and_in_parallel():
-    programs = [_SlowProgram(i, 0.4) for i in range(4)]
+    log = []
+    programs = [_SlowProgram(i, 0.4, log=log) for i in range(4)]
     began = time.monotonic()
-    assert compile_side_by_side(programs, threads=4) == [f"compiled {i}" for i in range(4)]
+    compiled = compile_side_by_side(_lowerings(programs), threads=4)
+    assert compiled == [f"compiled {i}" for i in range(4)]
     assert time.monotonic() - began < 1.2  # four at once, not 1.6 s one after another
+    # Lowered here, one by one (tracing holds Python's lock); compiled in the threads.
+    lowered = [(name, thread) for what, name, thread in log if what == "lowered"]
+    assert lowered == [(i, threading.current_thread().name) for i in range(4)]
+    assert all(thread.startswith("compile-") for what, _, thread in log if what == "started")
 
 
 def test_a_stop_request_ends_side_by_side_compiling_without_waiting_for_the_rest():
-    stop = threading.Event()
-    programs = [_SlowProgram(0, 0.1)] + [_SlowProgram(i, 3.0) for i in range(1, 4)]
+    stop, log = threading.Event(), []
+    programs = [_SlowProgram(0, 0.1, log=log)]
+    programs += [_SlowProgram(i, 3.0, log=log) for i in (1, 2, 3)]
     threading.Timer(0.6, stop.set).start()
     began = time.monotonic()
-    results = compile_side_by_side(programs, threads=2, stop=stop)
+    results = compile_side_by_side(_lowerings(programs), threads=2, stop=stop)
     assert time.monotonic() - began < 1.5  # not the 6 s the rest would take
     assert results == ["compiled 0", None, None, None]
+    time.sleep(3.0)  # the compilations under way end; none starts after the stop
+    assert _started(log) == [0, 1, 2]
 
 
-def test_a_compile_error_is_raised_at_once():
-    programs = [_SlowProgram(0, 3.0), _SlowProgram(1, 0.1, ValueError("bad program"))]
+def test_a_stop_before_the_start_lowers_and_compiles_nothing():
+    # Before, a pool took every program at once, and 2 threads started 2 of them.
+    stop, log = threading.Event(), []
+    stop.set()
+    programs = [_SlowProgram(i, 0.1, log=log) for i in range(3)]
+    assert compile_side_by_side(_lowerings(programs), threads=2, stop=stop) == [None] * 3
+    time.sleep(0.3)
+    assert log == []
+
+
+def test_a_compile_error_is_raised_at_once_and_no_program_starts_after_it():
+    log = []
+    programs = [_SlowProgram(0, 3.0, log=log), _SlowProgram(1, 0.1, ValueError("bad"), log=log)]
+    programs += [_SlowProgram(i, 0.1, log=log) for i in (2, 3, 4)]
     began = time.monotonic()
-    with pytest.raises(ValueError, match="bad program"):
-        compile_side_by_side(programs, threads=2)
+    with pytest.raises(ValueError, match="bad"):
+        compile_side_by_side(_lowerings(programs), threads=2)
     assert time.monotonic() - began < 1.5
+    time.sleep(0.5)
+    assert _started(log) == [0, 1]
+
+
+def test_exit_process_does_not_wait_for_a_compilation_under_way():
+    # Python's exit waited for it (a worker of a ThreadPoolExecutor): on a GPU, half a
+    # minute or more after a stop request or an error.
+    code = (
+        "import threading, time\n"
+        "from transformer.compilation_cache import compile_side_by_side, exit_process\n"
+        "class Slow:\n"
+        "    def compile(self):\n"
+        "        time.sleep(60)\n"
+        "stop = threading.Event()\n"
+        "threading.Timer(0.5, stop.set).start()\n"
+        "print(compile_side_by_side([Slow, Slow], stop=stop), flush=True)\n"
+        "exit_process(3)\n"
+    )
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert (done.returncode, done.stdout) == (3, "[None, None]\n"), done.stderr
+    assert time.monotonic() - began < 30

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import jax
@@ -118,46 +118,106 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
+# The threads `compile_side_by_side` started: a compilation under way cannot be stopped, so
+# after a stop or an error they may still be compiling, which `exit_process` looks at.
+_WORKERS: list[threading.Thread] = []
+
+
 def compile_side_by_side(
-    lowered: Sequence[jax.stages.Lowered],
+    lowerings: Sequence[Callable[[], jax.stages.Lowered]],
     threads: int | None = None,
     *,
     stop: threading.Event | None = None,
 ) -> list[jax.stages.Compiled | None]:
-    """Compiles programs in parallel threads, one program per thread at a time.
+    """Lowers programs one by one on this thread and compiles them in parallel threads.
 
     XLA lets go of Python's lock while it compiles, so on a machine with cores to spare the
     programs of a run's batch shapes, compiled side by side, are ready sooner than one after
     another: on a lent H100 with 16 cores, with XLA's autotuning off, the 12 train-step
     programs of a default run took 74.1 s side by side against 264.5 s one by one (README,
     "On a GPU"). On a 2-core CPU it gains nothing: XLA:CPU already spreads one compilation
-    over both cores. A program in the persistent cache is loaded instead.
+    over both cores. Lowering (tracing the function) holds Python's lock, so it is done
+    here, each program's while the threads compile the ones before. A program in the
+    persistent cache is loaded instead of compiled.
 
     Args:
-      lowered: the programs, from `jax.jit(f).lower(...)` or `jax.pmap(f).lower(...)`.
+      lowerings: functions that each lower one program, such as `lambda:
+        jax.jit(f).lower(x)`.
       threads: most programs compiled at once; default: `available_cores()`.
-      stop: once set, no further program is started and this returns at once; the
-        compilations under way finish in their threads and are thrown away.
+      stop: once set, no further program is lowered or started and this returns at once.
 
     Returns:
-      The compiled programs, in the order of `lowered`; None for each one not compiled
+      The compiled programs, in the order of `lowerings`; None for each one not compiled
       because `stop` was set.
 
     Raises:
-      Whatever a compilation raised, as soon as it does (the programs not started are
-      cancelled).
+      Whatever a lowering or a compilation raised, as soon as it does, and no program
+      starts after it (nor after a KeyboardInterrupt here). Compilations under way go on
+      in their threads, which XLA cannot stop, and are thrown away; the threads are
+      daemons, so the process need not wait for them (`exit_process`).
     """
-    if not lowered:
-        return []
-    threads = max(1, min(threads or available_cores(), len(lowered)))
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="compile")
-    futures = [pool.submit(program.compile) for program in lowered]
+    stopped = lambda: stop is not None and stop.is_set()  # noqa: E731
+    results: list[jax.stages.Compiled | None] = [None] * len(lowerings)
+    threads = max(1, min(threads or available_cores(), len(lowerings)))
+    work: queue.SimpleQueue = queue.SimpleQueue()  # (index, lowered); None ends a thread
+    done: queue.SimpleQueue = queue.SimpleQueue()  # (index, compiled, error)
+    over = threading.Event()  # set by an error or the return: no program starts after it
+
+    def compile_each() -> None:
+        while (item := work.get()) is not None and not over.is_set() and not stopped():
+            index, lowered = item
+            try:
+                done.put((index, lowered.compile(), None))
+            except BaseException as e:  # raised in the calling thread
+                over.set()
+                done.put((index, None, e))
+
+    def collect(wait: float) -> bool:
+        """Takes one finished compilation, waiting up to `wait` s; False if none came."""
+        try:
+            index, compiled, error = done.get(timeout=wait) if wait else done.get_nowait()
+        except queue.Empty:
+            return False
+        if error is not None:
+            raise error
+        results[index] = compiled
+        return True
+
+    _WORKERS[:] = [worker for worker in _WORKERS if worker.is_alive()]
+    workers: list[threading.Thread] = []
+    submitted = collected = 0
     try:
-        pending = set(futures)
-        while pending and not (stop is not None and stop.is_set()):
-            done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
-            for future in done:
-                future.result()  # a compilation's error, at once
+        for index, lower in enumerate(lowerings):
+            if stopped() or over.is_set():
+                break
+            work.put((index, lower()))
+            submitted += 1
+            if len(workers) < threads:
+                workers.append(threading.Thread(target=compile_each, daemon=True))
+                workers[-1].name = f"compile-{len(workers)}"
+                _WORKERS.append(workers[-1])
+                workers[-1].start()
+            while collect(0):
+                collected += 1
+        while collected < submitted and not stopped():
+            collected += collect(0.25)
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-    return [f.result() if f.done() and not f.cancelled() else None for f in futures]
+        over.set()
+        for _ in workers:
+            work.put(None)
+    return results
+
+
+def exit_process(status: int) -> None:
+    """Exits with `status`; at once where a compilation may still be under way.
+
+    After a stop request or an error, `compile_side_by_side` returns without waiting for
+    the compilations under way, which XLA cannot stop (on a GPU one can take half a
+    minute). Python's own exit would tear the process down under them, so this one skips
+    it (`os._exit`), after flushing stdout and stderr; the commands call this last, with
+    their files closed."""
+    if any(worker.is_alive() for worker in _WORKERS):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

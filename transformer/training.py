@@ -838,9 +838,9 @@ class Trainer:
             src, tgt_in and tgt_out, each [D, b, L].
           eval_layouts: the same for the validation loss batches.
           threads: most programs compiled at once; default: the cores this process may use.
-          stop: once set, no further program is compiled (a stop request: the run saves
-            and exits without waiting for the rest); a shape left out is compiled when its
-            first batch comes, as without this.
+          stop: once set, no further program is lowered or compiled, and this returns
+            without waiting for the compilations under way (`compile_side_by_side`); a
+            shape left out is compiled when its first batch comes, as without this.
 
         Returns:
           The number of programs compiled (or loaded from the persistent cache).
@@ -857,9 +857,11 @@ class Trainer:
             t for t in dict.fromkeys(map(tuple, train_layouts)) if t not in self._train_programs
         ]
         evals = [e for e in dict.fromkeys(map(tuple, eval_layouts)) if e not in self._eval_programs]
-        lowered = [self.train_step.lower(self.state, example(t)) for t in train]
-        lowered += [self.eval_step.lower(self.state.params, example(e)) for e in evals]
-        programs = compile_side_by_side(lowered, threads, stop=stop)
+        # Lowered one by one in compile_side_by_side, which sees a stop between two.
+        lower_train, lower_eval = self.train_step.lower, self.eval_step.lower
+        lowerings = [functools.partial(lower_train, self.state, example(t)) for t in train]
+        lowerings += [functools.partial(lower_eval, self.state.params, example(e)) for e in evals]
+        programs = compile_side_by_side(lowerings, threads, stop=stop)
         for table, layouts, compiled in (
             (self._train_programs, train, programs[: len(train)]),
             (self._eval_programs, evals, programs[len(train) :]),

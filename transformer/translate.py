@@ -7,6 +7,7 @@ SentencePiece tokenizer, length-sorted inference batches); the search is
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -130,12 +131,14 @@ def search_programs(
 
     wanted = list(dict.fromkeys(map(tuple, shapes)))
     missing = [shape for shape in wanted if key(shape) not in _PROGRAMS]
-    lowered = [
-        search.lower(model, params, jax.ShapeDtypeStruct(shape, jnp.int32), **options)
+    lowerings = [
+        functools.partial(
+            search.lower, model, params, jax.ShapeDtypeStruct(shape, jnp.int32), **options
+        )
         for shape in missing
     ]
     programs = {shape: _PROGRAMS.pop(key(shape)) for shape in wanted if shape not in missing}
-    programs.update(zip(missing, compile_side_by_side(lowered), strict=True))
+    programs.update(zip(missing, compile_side_by_side(lowerings), strict=True))
     for shape in wanted:  # most recently used last
         _PROGRAMS[key(shape)] = programs[shape]
     while len(_PROGRAMS) > MAX_KEPT_PROGRAMS:
