@@ -457,4 +457,4 @@ def _evaluate(args: argparse.Namespace, load: Callable[[argparse.Namespace], Run
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    exit_process(main)

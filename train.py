@@ -829,6 +829,8 @@ def compile_step_programs(
     validation one if a validation is due, side by side before the first step (not one by
     one as shapes come). A stop request ends it without waiting for the compilations
     under way, which `exit_process` does not wait for either."""
+    import jax
+
     from transformer.compilation_cache import available_cores
     from transformer.training import batch_layout
 
@@ -842,7 +844,8 @@ def compile_step_programs(
         f"up to {available_cores()} at a time"
     )
     began = time.time()
-    stop.compiling = True
+    # With several hosts a stop is agreed on in the steps: the run trains 1-2 and saves.
+    stop.compiling = jax.process_count() == 1
     try:
         count = trainer.compile_steps(train, evals, stop=stop)
     finally:
@@ -865,7 +868,8 @@ class PreTrainingStop(Exception):
 
 class StopRequest(threading.Event):
     """Set by SIGINT or SIGTERM; `signum` says which came first. `compiling` is True while
-    the step programs are compiled before the first step, where a stop saves nothing."""
+    the step programs are compiled before the first step, where a stop (with one host)
+    saves nothing."""
 
     signum: int | None = None
     compiling: bool = False
@@ -1217,11 +1221,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    # Programs compiled side by side may still be compiling after a stop or an error:
-    # exit without waiting for them (and without loading JAX where the run never did).
-    if "transformer.compilation_cache" in sys.modules:
-        from transformer.compilation_cache import exit_process
+    build_parser().parse_args()  # --help and a mistyped flag answer before JAX is loaded
+    from transformer.compilation_cache import exit_process
 
-        exit_process(status)
-    sys.exit(status)
+    exit_process(main)  # without waiting for programs still compiling after a stop

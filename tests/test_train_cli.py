@@ -155,7 +155,7 @@ def test_without_a_progress_bar_each_log_step_prints_its_loss(slice_dir, tmp_pat
 # exits as `python train.py` does.
 FORCED_SIDE_BY_SIDE = (
     "import train; from transformer.compilation_cache import exit_process; "
-    "train.compiles_side_by_side = lambda: True; exit_process(train.main())"
+    "train.compiles_side_by_side = lambda: True; exit_process(train.main)"
 )
 # The same, with every compilation 60 s slower, as one can be on a GPU.
 SLOW_COMPILING = (

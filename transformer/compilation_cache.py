@@ -15,13 +15,16 @@ default is under your home directory).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import queue
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import jax
 
@@ -151,10 +154,11 @@ def compile_side_by_side(
       because `stop` was set.
 
     Raises:
-      Whatever a lowering or a compilation raised, as soon as it does, and no program
-      starts after it (nor after a KeyboardInterrupt here). Compilations under way go on
-      in their threads, which XLA cannot stop, and are thrown away; the threads are
-      daemons, so the process need not wait for them (`exit_process`).
+      Whatever a lowering or a compilation raised, once this thread sees it (after the
+      lowering under way); no program starts after it, nor after a KeyboardInterrupt
+      here. Compilations under way go on in their threads, which XLA cannot stop, and are
+      thrown away. Python's exit waits for them (tearing the process down under one
+      aborts it); `exit_process` does not.
     """
     stopped = lambda: stop is not None and stop.is_set()  # noqa: E731
     results: list[jax.stages.Compiled | None] = [None] * len(lowerings)
@@ -201,6 +205,8 @@ def compile_side_by_side(
                 collected += 1
         while collected < submitted and not stopped():
             collected += collect(0.25)
+        while collect(0):  # those done by now, and an error that came with a stop
+            pass
     finally:
         over.set()
         for _ in workers:
@@ -208,15 +214,41 @@ def compile_side_by_side(
     return results
 
 
-def exit_process(status: int) -> None:
-    """Exits with `status`; at once where a compilation may still be under way.
+def _compiling() -> bool:
+    return any(worker.is_alive() for worker in _WORKERS)
+
+
+@atexit.register  # after JAX's own exit handler is registered, so before it runs
+def _wait_for_compilations() -> None:
+    for worker in _WORKERS:
+        worker.join()
+
+
+def exit_process(main: Callable[[], int]) -> NoReturn:
+    """Runs a command's `main` and exits with its status, at once where a compilation is
+    still under way.
 
     After a stop request or an error, `compile_side_by_side` returns without waiting for
     the compilations under way, which XLA cannot stop (on a GPU one can take half a
-    minute). Python's own exit would tear the process down under them, so this one skips
-    it (`os._exit`), after flushing stdout and stderr; the commands call this last, with
-    their files closed."""
-    if any(worker.is_alive() for worker in _WORKERS):
+    minute). Python's exit would wait for them, so this one, with one host, skips it
+    (`os._exit`, after flushing stdout and stderr; `main` has closed its files). What
+    `main` raises is then printed as Python prints it, with status 1 (130 for a
+    KeyboardInterrupt). With several hosts Python's exit is kept, which leaves JAX's
+    coordination service in step with the other hosts.
+    """
+    try:
+        status = main()
+    except BaseException as e:
+        if not _compiling() or jax.process_count() > 1:
+            raise
+        if isinstance(e, SystemExit):
+            status = e.code if isinstance(e.code, int) else int(e.code is not None)
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        else:
+            traceback.print_exception(e)
+            status = 130 if isinstance(e, KeyboardInterrupt) else 1
+    if _compiling() and jax.process_count() == 1:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)

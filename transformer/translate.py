@@ -97,7 +97,7 @@ def search_programs(
     """The compiled search program for each source batch shape, all compiled side by side.
 
     `jax.jit` would compile each shape's program when its first batch comes, one after
-    another; lowering them all first and compiling them in a pool of threads
+    another; lowering each in turn while threads compile the ones before
     (`compile_side_by_side`) has them ready sooner where there are cores to spare: in a
     trial on a lent H100 the 9 beam-search programs of test2016 took 4.5 to 7.8 s each
     side by side, all done 19 s after `evaluate.py` started, where one by one they had
