@@ -1132,6 +1132,7 @@ def train_loaded(
             f"{jax.device_count()} {jax.devices()[0].platform} device(s) on "
             f"{jax.process_count()} host(s)"
         )
+        warn_of_cpu_fallback(log)
         if start:
             log(f"resumed from step {start} in {trainer.checkpoints.directory}")
         if main_process:
@@ -1158,6 +1159,21 @@ def train_loaded(
         if batches is not None:
             batches.close()
         trainer.close()
+
+
+def warn_of_cpu_fallback(log) -> None:
+    """Warns where JAX runs on the CPU although an accelerator's plugin and device were
+    found: `keep_freed_host_memory` then left the CPU step's malloc settings off."""
+    import jax
+
+    from transformer import host_memory
+
+    if jax.default_backend() == "cpu" and host_memory.accelerator_expected():
+        log(
+            "warning: JAX runs on the CPU although a GPU or TPU plugin and device are "
+            "installed (JAX's own warning may say why), so the CPU step runs without its "
+            "memory settings, slower; set JAX_PLATFORMS=cpu to train on the CPU at full speed"
+        )
 
 
 def _duration(seconds: float) -> str:

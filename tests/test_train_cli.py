@@ -151,6 +151,23 @@ def test_without_a_progress_bar_each_log_step_prints_its_loss(slice_dir, tmp_pat
         assert f"loss {record['loss']:.3f}, lr {record['lr']:.2e}, " in line
 
 
+def test_a_run_on_the_cpu_where_an_accelerator_was_expected_says_so(
+    slice_dir, tmp_path, capsys, monkeypatch
+):
+    # A CUDA plugin and device found, but JAX on the CPU (a broken driver, say):
+    # keep_freed_host_memory left the CPU step's malloc settings off, silently.
+    from transformer import host_memory
+
+    monkeypatch.setattr(host_memory, "accelerator_expected", lambda: True)
+    assert train.main(_flags(slice_dir, tmp_path / "run", "--steps", "1")) == 0
+    out = capsys.readouterr().out
+    assert "warning: JAX runs on the CPU although a GPU or TPU plugin and device" in out
+    assert "set JAX_PLATFORMS=cpu" in out
+    monkeypatch.setattr(host_memory, "accelerator_expected", lambda: False)
+    assert train.main(_flags(slice_dir, tmp_path / "other", "--steps", "1")) == 0
+    assert "warning: JAX runs on the CPU" not in capsys.readouterr().out
+
+
 # train.py in a subprocess that compiles its step programs side by side, as on a GPU, and
 # exits as `python train.py` does.
 FORCED_SIDE_BY_SIDE = (
