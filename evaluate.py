@@ -59,6 +59,11 @@ from transformer.translate import (
 STDOUT = "-"  # --output's name for standard output
 
 
+def _output_file(args: argparse.Namespace) -> str | None:
+    """The file --output names, if it names one (not "-")."""
+    return args.output if args.output != STDOUT else None
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with a mistyped or missing flag as one line instead of the whole usage."""
 
@@ -227,7 +232,7 @@ def load_sources_and_references(
             "put the files back there or score them with --src-file and --ref-file"
         )
     corpus = load_corpus(spec, args.split, clean=False)
-    output = args.output if args.output != STDOUT else None
+    output = _output_file(args)
     for path, side in ((corpus.src_path, "source"), (corpus.tgt_path, "reference")):
         if output and path and Path(path).resolve() == Path(output).resolve():
             raise UsageError(
@@ -333,7 +338,7 @@ def _check_can_create(flag: str, name: str, directory: Path) -> None:
 
 def _check_output_places(args: argparse.Namespace) -> None:
     """Fails before decoding, not after, where --output or --plot-dir cannot be written."""
-    if args.output and args.output != STDOUT:
+    if _output_file(args):
         output = Path(args.output)
         if output.is_dir():
             raise UsageError(f"--output {args.output} is a directory; name a file")
@@ -428,7 +433,7 @@ def _evaluate(args: argparse.Namespace, load: Callable[[argparse.Namespace], Run
         )
         hypotheses = detokenize(tok, hyp_ids)
         print(f"decoded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-        if args.output and args.output != STDOUT:
+        if _output_file(args):
             write_text_atomically(args.output, "".join(h + "\n" for h in hypotheses))
         if to_stdout:
             sys.stdout.write("".join(h + "\n" for h in hypotheses))
