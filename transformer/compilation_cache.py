@@ -197,10 +197,11 @@ def compile_side_by_side(
             work.put((index, lower()))
             submitted += 1
             if len(workers) < threads:
-                workers.append(threading.Thread(target=compile_each, daemon=True))
-                workers[-1].name = f"compile-{len(workers)}"
-                _WORKERS.append(workers[-1])
-                workers[-1].start()
+                name = f"compile-{len(workers) + 1}"
+                worker = threading.Thread(target=compile_each, name=name, daemon=True)
+                workers.append(worker)
+                _WORKERS.append(worker)
+                worker.start()
             while collect(0):
                 collected += 1
         while collected < submitted and not stopped():
@@ -214,8 +215,9 @@ def compile_side_by_side(
     return results
 
 
-def _compiling() -> bool:
-    return any(worker.is_alive() for worker in _WORKERS)
+def _exits_at_once() -> bool:
+    """Whether `exit_process` skips Python's exit: a compilation runs, and one host."""
+    return any(worker.is_alive() for worker in _WORKERS) and jax.process_count() == 1
 
 
 @atexit.register  # after JAX's own exit handler is registered, so before it runs
@@ -239,7 +241,7 @@ def exit_process(main: Callable[[], int]) -> NoReturn:
     try:
         status = main()
     except BaseException as e:
-        if not _compiling() or jax.process_count() > 1:
+        if not _exits_at_once():
             raise
         if isinstance(e, SystemExit):
             status = e.code if isinstance(e.code, int) else int(e.code is not None)
@@ -248,7 +250,7 @@ def exit_process(main: Callable[[], int]) -> NoReturn:
         else:
             traceback.print_exception(e)
             status = 130 if isinstance(e, KeyboardInterrupt) else 1
-    if _compiling() and jax.process_count() == 1:
+    if _exits_at_once():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)

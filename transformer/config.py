@@ -135,9 +135,10 @@ class TransformerConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
             object.__setattr__(self, name, int(value))  # a NumPy integer as Python's, for JSON
         for name in ("share_embeddings", "attention_bias", "pre_layer_norm"):
-            if not isinstance(getattr(self, name), bool | np.bool_):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-            object.__setattr__(self, name, bool(getattr(self, name)))
+            value = getattr(self, name)
+            if not isinstance(value, bool | np.bool_):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+            object.__setattr__(self, name, bool(value))
         for name in ("dropout_rate", "attention_dropout_rate"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Real) or isinstance(value, bool):
