@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import jax
@@ -14,6 +13,7 @@ import pytest
 
 import train
 from tests.make_tiny_workdir import ROOT, tiny_train_flags
+from transformer import compilation_cache
 from transformer.compilation_cache import (
     compile_side_by_side,
     default_cache_dir,
@@ -173,13 +173,14 @@ def test_no_compilation_cache_flag_writes_nothing(tmp_path, multi30k_slice, monk
     assert not (tmp_path / "root" / "xla").exists()
 
 
-class _SlowProgram:
-    """Stands in for a `jax.stages.Lowered`: its compile() sleeps, then returns or raises.
-    `log` gets ("lowered" or "started", name, thread name) as `lower` and `compile` run."""
+class _Program:
+    """Stands in for a `jax.stages.Lowered`. `log` gets ("lowered", "started" or "finished",
+    name, thread name) as `lower` and `compile` run. compile() calls `on_start`, waits for
+    `release` and then for `barrier`, where given, and returns or raises `error`."""
 
-    def __init__(self, name, seconds, error=None, log=None):
-        self.name, self.seconds, self.error = name, seconds, error
-        self.log = log if log is not None else []
+    def __init__(self, name, log, *, release=None, barrier=None, error=None, on_start=None):
+        self.name, self.log, self.error, self.on_start = name, log, error, on_start
+        self.release, self.barrier = release, barrier
 
     def lower(self):
         self.log.append(("lowered", self.name, threading.current_thread().name))
@@ -187,7 +188,13 @@ class _SlowProgram:
 
     def compile(self):
         self.log.append(("started", self.name, threading.current_thread().name))
-        time.sleep(self.seconds)
+        if self.on_start is not None:
+            self.on_start()
+        if self.release is not None:
+            self.release.wait(timeout=60)
+        if self.barrier is not None:
+            self.barrier.wait(timeout=30)  # BrokenBarrierError unless all compile at once
+        self.log.append(("finished", self.name, threading.current_thread().name))
         if self.error is not None:
             raise self.error
         return f"compiled {self.name}"
@@ -197,17 +204,20 @@ def _lowerings(programs):
     return [program.lower for program in programs]
 
 
-def _started(log):
-    return [name for what, name, _ in log if what == "started"]
+def _logged(log, what):
+    return [name for logged, name, _ in log if logged == what]
+
+
+def _join_compile_threads():
+    for worker in compilation_cache._WORKERS:
+        worker.join(timeout=60)
 
 
 def test_side_by_side_returns_every_program_in_order_and_in_parallel():
-    log = []
-    programs = [_SlowProgram(i, 0.4, log=log) for i in range(4)]
-    began = time.monotonic()
+    log, all_four = [], threading.Barrier(4)
+    programs = [_Program(i, log, barrier=all_four) for i in range(4)]
     compiled = compile_side_by_side(_lowerings(programs), threads=4)
-    assert compiled == [f"compiled {i}" for i in range(4)]
-    assert time.monotonic() - began < 1.2  # four at once, not 1.6 s one after another
+    assert compiled == [f"compiled {i}" for i in range(4)]  # each passed the barrier: at once
     # Lowered here, one by one (tracing holds Python's lock); compiled in the threads.
     lowered = [(name, thread) for what, name, thread in log if what == "lowered"]
     assert lowered == [(i, threading.current_thread().name) for i in range(4)]
@@ -215,43 +225,55 @@ def test_side_by_side_returns_every_program_in_order_and_in_parallel():
 
 
 def test_a_stop_request_ends_side_by_side_compiling_without_waiting_for_the_rest():
-    stop, log = threading.Event(), []
-    programs = [_SlowProgram(0, 0.1, log=log)]
-    programs += [_SlowProgram(i, 3.0, log=log) for i in (1, 2, 3)]
-    threading.Timer(0.6, stop.set).start()
-    began = time.monotonic()
-    results = compile_side_by_side(_lowerings(programs), threads=2, stop=stop)
-    assert time.monotonic() - began < 1.5  # not the 6 s the rest would take
-    assert results == ["compiled 0", None, None, None]
-    time.sleep(3.0)  # the compilations under way end; none starts after the stop
-    assert _started(log) == [0, 1, 2]
+    stop, release, log = threading.Event(), threading.Event(), []
+
+    def stop_once_two_compile():
+        if {1, 2} <= set(_logged(log, "started")):
+            stop.set()
+
+    programs = [_Program(0, log)]
+    programs += [
+        _Program(i, log, release=release, on_start=stop_once_two_compile) for i in (1, 2, 3)
+    ]
+    try:
+        results = compile_side_by_side(_lowerings(programs), threads=2, stop=stop)
+        assert results == ["compiled 0", None, None, None]
+        assert _logged(log, "finished") == [0]  # returned while 1 and 2 were compiling
+    finally:
+        release.set()
+    _join_compile_threads()
+    assert _logged(log, "started") == [0, 1, 2]  # none started after the stop
 
 
 def test_a_stop_before_the_start_lowers_and_compiles_nothing():
     # Before, a pool took every program at once, and 2 threads started 2 of them.
     stop, log = threading.Event(), []
     stop.set()
-    programs = [_SlowProgram(i, 0.1, log=log) for i in range(3)]
+    programs = [_Program(i, log) for i in range(3)]
     assert compile_side_by_side(_lowerings(programs), threads=2, stop=stop) == [None] * 3
-    time.sleep(0.3)
+    _join_compile_threads()
     assert log == []
 
 
 def test_a_compile_error_is_raised_at_once_and_no_program_starts_after_it():
-    log = []
-    programs = [_SlowProgram(0, 3.0, log=log), _SlowProgram(1, 0.1, ValueError("bad"), log=log)]
-    programs += [_SlowProgram(i, 0.1, log=log) for i in (2, 3, 4)]
-    began = time.monotonic()
-    with pytest.raises(ValueError, match="bad"):
-        compile_side_by_side(_lowerings(programs), threads=2)
-    assert time.monotonic() - began < 1.5
-    time.sleep(0.5)
-    assert _started(log) == [0, 1]
+    release, log = threading.Event(), []
+    programs = [_Program(0, log, release=release), _Program(1, log, error=ValueError("bad"))]
+    programs += [_Program(i, log) for i in (2, 3, 4)]
+    try:
+        with pytest.raises(ValueError, match="bad"):
+            compile_side_by_side(_lowerings(programs), threads=2)
+        assert _logged(log, "finished") == [1]  # raised while 0 was compiling
+    finally:
+        release.set()
+    _join_compile_threads()
+    assert _logged(log, "started") == [0, 1]
 
 
-# A program that takes about 15 s to compile on the 2-core development machine.
+# A program that takes about 15 s to compile on the 2-core development machine. Its
+# compile() sets `compiling` as it starts and writes the file named by the first argument
+# once it ends.
 SLOW_PROGRAM = """
-import threading
+import sys, threading
 import jax, jax.numpy as jnp
 from transformer.compilation_cache import compile_side_by_side, exit_process
 def f(x):
@@ -259,9 +281,19 @@ def f(x):
         x = jnp.sin(x) @ x.T + jnp.cos(x * i)
         x = x[:, ::-1] + jnp.roll(x, i % 7, axis=0)
     return x
+compiling = threading.Event()
+class Marked:
+    def __init__(self, lowered):
+        self.lowered = lowered
+    def compile(self):
+        compiling.set()
+        compiled = self.lowered.compile()
+        open(sys.argv[1], "w").close()
+        return compiled
 def slow():
-    return jax.jit(f).lower(jax.ShapeDtypeStruct((64, 64), jnp.float32))
+    return Marked(jax.jit(f).lower(jax.ShapeDtypeStruct((64, 64), jnp.float32)))
 def bad():
+    compiling.wait()
     raise ValueError("bad lowering")
 """
 
@@ -270,7 +302,8 @@ def bad():
     "main, status, err",
     [
         (  # a stop request: main returns its status
-            "stop = threading.Event(); threading.Timer(1.0, stop.set).start()\n"
+            "stop = threading.Event()\n"
+            "threading.Thread(target=lambda: (compiling.wait(), stop.set()), daemon=True).start()\n"
             "def main():\n"
             "    return 3 if compile_side_by_side([slow], stop=stop) == [None] else 0\n",
             3,
@@ -283,14 +316,15 @@ def bad():
         ),
     ],
 )
-def test_exit_process_does_not_wait_for_a_compilation_under_way(main, status, err):
+def test_exit_process_does_not_wait_for_a_compilation_under_way(main, status, err, tmp_path):
     # Python's exit waits for it, and before, an error with one under way aborted the
     # process (exit 134: "terminate called after throwing an instance of ''").
     code = SLOW_PROGRAM + main + "exit_process(main)\n"
-    began = time.monotonic()
+    compiled = tmp_path / "compiled"
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
+        [sys.executable, "-c", code, str(compiled)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
     assert done.returncode == status, done.stderr
     assert err in done.stderr and "terminate called" not in done.stderr
-    assert time.monotonic() - began < 10  # not the compilation's 15 s
+    assert not compiled.exists()  # the process ended while the program was compiling
