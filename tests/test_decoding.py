@@ -51,6 +51,9 @@ def _assert_well_formed(tokens: np.ndarray, src: np.ndarray, max_extra_len: int)
     "src_shape, changes, message",
     [
         ((2, 5), {"beam_size": 0}, "beam_size must be at least 1, got 0"),
+        ((2, 5), {"beam_size": 2.0}, "beam_size must be an integer, got 2.0"),
+        ((2, 5), {"max_extra_len": 2.0}, "max_extra_len must be an integer, got 2.0"),
+        ((2, 5), {"max_len": 9.5}, "max_len must be an integer, got 9.5"),
         ((2, 5), {"bos_id": 16}, r"bos_id must be in \[0, vocab_size 16\), got 16"),
         ((2, 5), {"eos_id": 21}, r"eos_id must be in \[0, vocab_size 16\), got 21"),
         ((2, 5), {"pad_id": 5}, r"pad_id 5 is not the model's padding id \(config.pad_id 0\)"),
@@ -63,14 +66,15 @@ def test_arguments_that_would_search_wrongly_are_errors(
 ):
     # Each ran before: an end id past the vocabulary never ended the search, a start id
     # past it gave NaN embeddings, another padding id counted padding into the length
-    # limits, and the others failed deep inside with an index or shape error.
+    # limits, and the others failed deep inside with an index or shape error (a float
+    # width or length: "Shapes must be 1D sequences of concrete values of integer type").
     model, params, _ = model_and_sources
     src = jnp.full(src_shape, 3, jnp.int32)
     kwargs = {"bos_id": BOS, "eos_id": EOS, "pad_id": PAD, **changes}
     beam = kwargs.pop("beam_size", 2)
     with pytest.raises(ValueError, match=message):
         beam_search(model, params, src, beam_size=beam, **kwargs)
-    if beam >= 1:
+    if "beam_size" not in changes:
         with pytest.raises(ValueError, match=message):
             greedy_search(model, params, src, **kwargs)
 

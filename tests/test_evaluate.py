@@ -605,6 +605,13 @@ def test_the_librarys_default_parameters_are_the_ones_evaluate_scores(workdir, c
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_run_loaded_at_one_step_is_described_by_that_step_once(workdir):
+    # checkpoint="300" was described as "step 300 (300)".
+    for checkpoint in (300, "300"):
+        assert translate.load_run(workdir, checkpoint=checkpoint).checkpoint == "step 300"
+    assert translate.load_run(workdir, checkpoint="last").checkpoint == "step 400 (last)"
+
+
 def _leaf_means(steps, workdir):
     """The elementwise float64 mean of the parameters of `steps`, leaf by leaf."""
     trees = [checkpoints.restore_params(workdir, step)[0] for step in steps]

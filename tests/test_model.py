@@ -157,6 +157,16 @@ def test_a_decode_step_without_the_init_cache_collection_is_an_error():
             {"params": params}, encoded, src, tgt[:, :1], decode=True,
             method=Transformer.decode, mutable=["cache"],
         )  # fmt: skip
+    # init_cache's whole state in place of its "cache" collection: before, the step made a
+    # fresh cache too (step 1 wrong, step 2 NaN).
+    _, state = model.apply(
+        {"params": params}, encoded, src, 4, method=Transformer.init_cache, mutable=["cache"]
+    )
+    with pytest.raises(ValueError, match=r"state\['cache'\] of the state it returns"):
+        model.apply(
+            {"params": params, "cache": state}, encoded, src, tgt[:, :1], decode=True,
+            method=Transformer.decode, mutable=["cache"],
+        )  # fmt: skip
 
 
 def test_attention_weights_are_recorded():
@@ -427,8 +437,34 @@ def test_source_and_target_of_different_batches_are_an_error_naming_both():
     rng = np.random.default_rng(0)
     src, tgt = _batch(rng)
     model, params = _init(_config(), src, tgt)
-    with pytest.raises(ValueError, match=r"queries' batch \(1\) is not a multiple of .* \(3\)"):
+    with pytest.raises(ValueError, match="same batch, got 3 and 1"):
         model.apply({"params": params}, src, tgt[:1])
+    # A whole multiple too: each source was paired with 2 targets, silently.
+    with pytest.raises(ValueError, match="same batch, got 3 and 6"):
+        model.apply({"params": params}, src, jnp.concatenate([tgt, tgt]))
+    # decode() takes r rows per sentence (beam search), and only whole multiples.
+    encoded = model.apply({"params": params}, src, method=Transformer.encode)
+    with pytest.raises(ValueError, match=r"queries' batch \(1\) is not a multiple of .* \(3\)"):
+        model.apply({"params": params}, encoded, src, tgt[:1], method=Transformer.decode)
+
+
+def test_an_empty_batch_gives_empty_logits():
+    # It was a ZeroDivisionError, in training code and the searches alike.
+    src, tgt = _batch(np.random.default_rng(0))
+    model, params = _init(_config(), src, tgt)
+    logits = model.apply({"params": params}, src[:0], tgt[:0])
+    assert logits.shape == (0, tgt.shape[1], VOCAB)
+
+
+def test_float16_attention_scores_above_its_range_before_scaling_are_not_nan():
+    # Q K^T was rounded to float16 before the division by sqrt(d_k): a product past 65504
+    # was inf, and the softmax made NaN of it, though the scaled score (12800) fits.
+    q = jnp.full((1, 1, 1, 64), 40.0, jnp.float16)
+    k = jnp.stack([jnp.full((64,), 40.0), jnp.full((64,), 39.0)])[None, :, None, :]
+    v = jnp.eye(2, dtype=jnp.float16)[None, :, None, :]
+    out, weights = scaled_dot_product_attention(q, k.astype(jnp.float16), v)
+    np.testing.assert_array_equal(np.asarray(weights[0, 0, 0]), [1.0, 0.0])
+    np.testing.assert_array_equal(np.asarray(out[0, 0, 0], np.float32), [1.0, 0.0])
 
 
 def test_reverse_mode_autodiff_works_and_forward_mode_is_refused_as_the_readme_says():

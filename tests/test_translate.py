@@ -123,6 +123,17 @@ def test_one_string_instead_of_a_list_is_a_type_error(setup):
         translate(model, params, tokenizer, sentences[0])
 
 
+def test_ids_that_are_not_integers_are_an_error_not_truncated_or_parsed(setup):
+    model, params, tokenizer, sentences = setup
+    kw = dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, greedy=True, max_extra_len=2)
+    # [5.5, 7, 3] was decoded as [5, 7, 3], and ["5", "3"] as [5, 3].
+    for bad in ([5.5, 7, tokenizer.eos_id], ["5", str(tokenizer.eos_id)]):
+        with pytest.raises(ValueError, match=r"src_ids\[1\] must be a flat sequence of integer"):
+            translate_ids(model, params, [[5, tokenizer.eos_id], bad], **kw)
+    with pytest.raises(TypeError, match=r"src_ids holds text: give token ids"):
+        translate_ids(model, params, sentences[:2], **kw)
+
+
 def test_raw_input_is_normalized_like_training_data(setup):
     """No-break spaces, an XML entity and extra whitespace translate like the clean sentence."""
     model, params, tokenizer, _ = setup

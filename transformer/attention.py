@@ -53,8 +53,14 @@ def scaled_dot_product_attention(
             "supported (it would be read the other way round)"
         )
     d_k = q_BQHD.shape[-1]
-    scores_BHQK = attention_scores(q_BQHD, k_BKHD, matmul_dtype).astype(jnp.float32)
-    scores_BHQK = scores_BHQK / jnp.sqrt(jnp.float32(d_k))
+    if q_BQHD.dtype == jnp.float16:
+        # Q K^T, rounded to float16, can pass its largest value (65504) where Q K^T / sqrt(d_k)
+        # does not, and inf becomes NaN in the softmax: scale the queries first.
+        q_BQHD = q_BQHD / jnp.sqrt(jnp.float32(d_k)).astype(jnp.float16)
+        scores_BHQK = attention_scores(q_BQHD, k_BKHD, matmul_dtype).astype(jnp.float32)
+    else:  # the paper's order
+        scores_BHQK = attention_scores(q_BQHD, k_BKHD, matmul_dtype).astype(jnp.float32)
+        scores_BHQK = scores_BHQK / jnp.sqrt(jnp.float32(d_k))
     if mask is not None:
         scores_BHQK = jnp.where(mask, scores_BHQK, jnp.finfo(jnp.float32).min)
     weights_BHQK = jax.nn.softmax(scores_BHQK, axis=-1)
@@ -112,8 +118,9 @@ class MultiHeadAttention(nn.Module):
           inputs_q_BQD: query-side input [batch, q_len, d_model].
           inputs_kv_BKD: key/value-side input [batch, kv_len, d_model]; None for
             self-attention.
-          mask: boolean, broadcastable to [batch, heads, q_len, kv_len]. Ignored
-            by cached decoding steps, which build their own.
+          mask: boolean, broadcastable to [batch, heads, q_len, kv_len]. Cached
+            self-attention steps ignore it and build their own; cached
+            cross-attention steps still need the source padding mask.
           train: enables attention dropout (needs the "dropout" RNG).
           decode: incremental decoding with the cache described above.
 
@@ -154,15 +161,16 @@ class MultiHeadAttention(nn.Module):
 
         # Beam search: r beams per sentence query one copy of the source K/V.
         batch_q, len_q = q_BQHD.shape[:2]
-        if batch_q % k_BKHD.shape[0]:
+        batch_kv = k_BKHD.shape[0]
+        if batch_q != batch_kv and (batch_kv == 0 or batch_q % batch_kv):
             raise ValueError(
                 f"the queries' batch ({batch_q}) is not a multiple of the keys' and values' "
                 f"({k_BKHD.shape[0]}): give the target and the source the same batch (or, "
                 "in beam search, r rows per source sentence, a sentence's rows adjacent)"
             )
-        beams = batch_q // k_BKHD.shape[0]
+        beams = batch_q // batch_kv if batch_kv else 1  # an empty batch is one beam
         if beams > 1:
-            q_BQHD = q_BQHD.reshape(k_BKHD.shape[0], beams * len_q, *q_BQHD.shape[2:])
+            q_BQHD = q_BQHD.reshape(batch_kv, beams * len_q, *q_BQHD.shape[2:])
 
         dropout_rng = None
         if train and cfg.attention_dropout_rate > 0.0:

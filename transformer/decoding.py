@@ -30,6 +30,7 @@ would be indistinguishable from padding, which the model's masks ignore.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -59,10 +60,21 @@ def length_penalty(length: jax.Array | int, alpha: float) -> jax.Array:
     return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
 
 
+def _check_integer(name: str, value: Any) -> None:
+    """A length or a width given as a float (2.0) fails later as an unclear shape error."""
+    try:
+        operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
 def _length_limits(
     src_BS: jax.Array, pad_id: int, max_extra_len: int, max_len: int | None
 ) -> tuple[jax.Array, int]:
     """Per-sentence output length limits [B] and the (static) buffer length for the batch."""
+    _check_integer("max_extra_len", max_extra_len)
+    if max_len is not None:
+        _check_integer("max_len", max_len)
     src_len_B = jnp.sum(src_BS != pad_id, axis=1).astype(jnp.int32)
     limit_B = src_len_B + max_extra_len
     buffer_len = src_BS.shape[1] + max_extra_len
@@ -191,6 +203,7 @@ def _check_search_arguments(
         raise ValueError(
             f"src_BS must be [batch, src_len] with src_len >= 1, got shape {tuple(src_BS.shape)}"
         )
+    _check_integer("beam_size", beams)
     if beams < 1:
         raise ValueError(f"beam_size must be at least 1, got {beams}")
     if pad_id in (bos_id, eos_id):

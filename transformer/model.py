@@ -361,13 +361,18 @@ class Transformer(nn.Module):
         Returns:
           float32 logits [batch, tgt_len, vocab_size].
         """
-        if decode and not self.is_initializing() and "cache" not in self.variables:
+        if (
+            decode
+            and not self.is_initializing()
+            and "decoder" not in self.variables.get("cache", {})
+        ):
             # Else the step would create a fresh cache at position 0, and every later
             # step would be wrong without an error.
             raise ValueError(
                 "decode=True steps the cache that init_cache creates: apply "
                 "method=Transformer.init_cache with mutable=['cache'] first, then pass its "
-                "'cache' collection to every step"
+                "'cache' collection to every step (state['cache'] of the state it returns, "
+                "not the state itself)"
             )
         return self.decoder(encoded_BSD, src_BS, tgt_BT, train=train, decode=decode)
 
@@ -400,4 +405,9 @@ class Transformer(nn.Module):
         Returns:
           float32 logits [batch, tgt_len, vocab_size].
         """
+        if src_BS.shape[0] != tgt_BT.shape[0]:  # decode() alone takes r rows per sentence
+            raise ValueError(
+                f"src_BS and tgt_BT must have the same batch, got {src_BS.shape[0]} and "
+                f"{tgt_BT.shape[0]}"
+            )
         return self.decode(self.encode(src_BS, train=train), src_BS, tgt_BT, train=train)

@@ -146,6 +146,17 @@ def search_programs(
     return programs
 
 
+def _integer_ids(ids: Sequence[int], index: int) -> np.ndarray:
+    """One sentence's ids as int64; floats or strings would be truncated or parsed silently."""
+    array = np.asarray(ids)
+    if array.dtype.kind not in "iu" or array.ndim != 1:
+        raise ValueError(
+            f"src_ids[{index}] must be a flat sequence of integer token ids, got {array.dtype} "
+            f"of shape {array.shape}: encode the sentence with the tokenizer"
+        )
+    return array.astype(np.int64)
+
+
 def _check_ids(sources: list[np.ndarray], indices: list[int], vocab_size: int | None) -> None:
     """Raises ValueError naming the first sentence with an id outside [0, vocab_size)."""
     if vocab_size is None or not sources:
@@ -201,12 +212,18 @@ def translate_ids(
 
     Raises:
       ValueError: a source id outside the model's vocabulary, which would embed as NaN
-        (or wrap around, if negative) and decode to garbage.
+        (or wrap around, if negative) and decode to garbage, or one that is not an integer.
+      TypeError: text in place of ids.
     """
+    if isinstance(src_ids, str) or any(isinstance(ids, str) for ids in src_ids):
+        raise TypeError(
+            "src_ids holds text: give token ids per sentence (tokenizer.encode), or give the "
+            "text to translate()"
+        )
     params = jax.device_put(params)  # once, not on every batch's call
     outputs: list[list[int]] = [[] for _ in src_ids]
     todo = [i for i, ids in enumerate(src_ids) if len(ids)]
-    sources = [np.asarray(src_ids[i], np.int64) for i in todo]
+    sources = [_integer_ids(src_ids[i], i) for i in todo]
     _check_ids(sources, todo, getattr(getattr(model, "config", None), "vocab_size", None))
     options = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, max_extra_len=max_extra_len)
     if not greedy:
@@ -442,7 +459,7 @@ def load_run(
                 label = f"{newest_label}: no checkpoint has a validation BLEU"
             elif checkpoint == "best" and best != step:
                 label = f"{newest_label}: the best, step {best}, is damaged"
-        description = f"step {step}" + (f" ({label})" if isinstance(label, str) else "")
+        description = f"step {step}" + (f" ({label})" if checkpoint in ("best", "last") else "")
     _check_params_fit(model, params, workdir)
     return Run(model, params, tokenizer, config, description)
 
