@@ -11,10 +11,10 @@ Rerunning with the same --workdir resumes with the saved settings; flags given
 again may change the training schedule (e.g. more --steps) but not the model or
 the data.
 
-Exit status: 0 when done or interrupted (SIGINT/SIGTERM save a checkpoint
-first), 1 when the loss became non-finite or a write failed during training (a
-full disk), 2 for bad flags, data or workdir, 128 + the signal (130, 143) when
-stopped before training started.
+Exit status: 0 when done or interrupted (SIGINT, SIGTERM or SIGHUP save a
+checkpoint first), 1 when the loss became non-finite or a write failed during
+training (a full disk), 2 for bad flags, data or workdir, 128 + the signal (130,
+143, 129) when stopped before training started.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(
             "Flags left out take the workdir's saved settings when resuming, else the defaults "
             "shown. Exit status: 0 done or interrupted, 1 non-finite loss or a failed write "
-            "while training, 2 bad input, 130 or 143 stopped before training."
+            "while training, 2 bad input, 130, 143 or 129 stopped before training."
         ),
         # Defaults are written into each help as [value]: a left-out flag takes the
         # workdir's saved setting when resuming, so argparse's own defaults are all None.
@@ -857,7 +857,8 @@ def compile_step_programs(
 
 
 class PreTrainingStop(Exception):
-    """A stop request (SIGINT/SIGTERM) that came before the training loop: nothing to save.
+    """A stop request (SIGINT, SIGTERM or SIGHUP) that came before the training loop:
+    nothing to save.
 
     `signum` is the request's signal, which the exit status reports."""
 
@@ -867,7 +868,7 @@ class PreTrainingStop(Exception):
 
 
 class StopRequest(threading.Event):
-    """Set by SIGINT or SIGTERM; `signum` says which came first. `compiling` is True while
+    """Set by SIGINT, SIGTERM or SIGHUP; `signum` says which came first. `compiling` is True while
     the step programs are compiled before the first step, where a stop (with one host)
     saves nothing."""
 
@@ -875,14 +876,38 @@ class StopRequest(threading.Event):
     compiling: bool = False
 
 
+# A closed terminal or a dropped SSH session sends SIGHUP, whose default ends the run
+# without saving what it trained since the last checkpoint.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM) + (
+    (signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()
+)
+
+
+def _detach_from_terminal(fds: list[int]) -> None:
+    """Points `fds` (stdout and stderr where they were the terminal) at /dev/null: writing to
+    a terminal that hung up fails (EIO), and a log line would then end the run before it
+    saves. (A hung-up terminal is no longer a tty to `isatty`, so `fds` are found before.)"""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in fds:
+            os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
 def install_stop_handlers(stop: StopRequest, log, training: threading.Event) -> dict[int, Any]:
-    """SIGINT/SIGTERM set `stop`: once `training` is set the loop then saves and exits;
-    before it, `check_stop_before_training` ends the run. A second SIGINT aborts, except
-    while `removed_if_stopped_before_training` takes back what the run wrote."""
+    """SIGINT, SIGTERM and SIGHUP set `stop`: once `training` is set the loop then saves
+    and exits; before it, `check_stop_before_training` ends the run. A second SIGINT
+    aborts, except while `removed_if_stopped_before_training` takes back what the run
+    wrote. After a SIGHUP, output that went to the terminal is dropped."""
+
+    terminal_fds = [stream.fileno() for stream in (sys.stdout, sys.stderr) if stream.isatty()]
 
     def handler(signum, frame):
         if stop.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if signum == getattr(signal, "SIGHUP", None):
+            _detach_from_terminal(terminal_fds)
         if stop.signum is None:
             stop.signum = signum
         stop.set()
@@ -895,7 +920,7 @@ def install_stop_handlers(stop: StopRequest, log, training: threading.Event) -> 
         log(f"{signal.Signals(signum).name}: {what}")
 
     previous = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         previous[sig] = signal.signal(sig, handler)
     return previous
 

@@ -10,6 +10,8 @@ import dataclasses
 import json
 import math
 import os
+import pty
+import select
 import shutil
 import signal
 import subprocess
@@ -736,6 +738,36 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(slice_dir, tmp_path):
     _, step = restore_params(tmp_path, "last")
     assert step == stopped_at
     assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 100000
+
+
+def test_a_hung_up_terminal_saves_a_checkpoint_and_exits_0(slice_dir, tmp_path):
+    # A closed terminal or a dropped SSH session: SIGHUP ended the run unsaved, and after
+    # the hang-up every write to the terminal fails with EIO.
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    args = _flags(slice_dir, tmp_path, "--steps", "100000")
+    terminal, child_side = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args], env=env,
+        stdin=subprocess.DEVNULL, stdout=child_side, stderr=child_side,
+    )  # fmt: skip
+    os.close(child_side)
+    written = []
+    try:
+        deadline = time.time() + 180
+        while not checkpoint_steps(tmp_path):  # a finished first checkpoint
+            if select.select([terminal], [], [], 0.2)[0]:  # keep the terminal drained
+                written.append(os.read(terminal, 1 << 16))
+            assert process.poll() is None, b"".join(written).decode()
+            assert time.time() < deadline, "no checkpoint within 180 s"
+        process.send_signal(signal.SIGHUP)  # what the shell of a closed terminal sends
+        os.close(terminal)  # the terminal goes away: the child's writes to it fail from now
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0
+    last = checkpoint_steps(tmp_path)[-1]
+    assert last > 4 and restore_params(tmp_path, "last")[1] == last  # saved at the signal
 
 
 def test_a_broken_val_split_stops_the_run_before_anything_is_written_a_missing_one_does_not(
