@@ -41,7 +41,7 @@ from sacrebleu.metrics import BLEU, CHRF
 from data import CorpusSpec, DataError, decode_lines, load_corpus, read_aligned_lines, read_lines
 from data.errors import os_error_line, out_of_memory_line
 from data.text import is_written_in_place, write_text_atomically
-from transformer.checkpoints import CONFIG_FILE, CheckpointError
+from transformer.checkpoints import CONFIG_FILE, CheckpointError, is_run_file
 from transformer.compilation_cache import (
     EMPTY_CACHE_FLAG,
     exit_process,
@@ -57,6 +57,7 @@ from transformer.translate import (
 )
 
 STDOUT = "-"  # --output's name for standard output
+DEFAULT_BEAM, DEFAULT_ALPHA = 5, 1.25
 
 
 def _output_file(args: argparse.Namespace) -> str | None:
@@ -119,14 +120,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     search.add_argument(
         "--beam",
         type=int,
-        default=5,
-        help="beam size (the paper: 4; 5 scored best on Multi30k val, README)",
+        default=argparse.SUPPRESS,
+        help=f"beam size [{DEFAULT_BEAM}] (the paper: 4; {DEFAULT_BEAM} scored best on Multi30k "
+        "val, README)",
     )
     search.add_argument(
         "--alpha",
         type=float,
-        default=1.25,
-        help="length penalty strength (the paper: 0.6; 1.25 scored best on Multi30k val, README)",
+        default=argparse.SUPPRESS,
+        help=f"length penalty strength [{DEFAULT_ALPHA}] (the paper: 0.6; {DEFAULT_ALPHA} scored "
+        "best on Multi30k val, README)",
     )
     search.add_argument("--greedy", action="store_true", help="greedy search instead of beam")
     search.add_argument(
@@ -161,6 +164,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="compile every program afresh and keep none",
     )
     args = p.parse_args(argv)
+    if args.greedy and (hasattr(args, "beam") or hasattr(args, "alpha")):
+        p.error("--greedy searches without a beam: drop --beam and --alpha, or --greedy")
+    args.beam, args.alpha = (
+        getattr(args, "beam", DEFAULT_BEAM),
+        getattr(args, "alpha", DEFAULT_ALPHA),
+    )
     # Not given = None (kept out of the help's "(default: ...)": the default is averaging,
     # and the cache's is worked out when it is used).
     for name in ("checkpoint", "average_last", "compilation_cache"):
@@ -179,6 +188,19 @@ def _check_args(args: argparse.Namespace) -> None:
     modes = [bool(args.split), bool(args.src_file), args.translate, bool(args.plot_curve)]
     if sum(modes) != 1:
         raise UsageError("choose exactly one of --split, --src-file, --translate or --plot-curve")
+    if args.plot_curve:
+        given = [
+            flag
+            for flag, value in (
+                ("--output", args.output),
+                ("--checkpoint", args.checkpoint),
+                ("--average-last", args.average_last),
+                ("--plot-attention", args.plot_attention),
+            )
+            if value
+        ]
+        if given:
+            raise UsageError(f"--plot-curve only draws the training curve: drop {given[0]}")
     if args.ref_file and not args.src_file:
         raise UsageError("--ref-file needs --src-file")
     if args.src_file and not (args.ref_file or args.output or args.plot_attention):
@@ -338,6 +360,17 @@ def _check_can_create(flag: str, name: str, directory: Path) -> None:
 
 def _check_output_places(args: argparse.Namespace) -> None:
     """Fails before decoding, not after, where --output or --plot-dir cannot be written."""
+    plot_dir = args.plot_dir if args.plot_attention else None
+    for flag, place in (
+        ("--output", _output_file(args)),
+        ("--plot-curve", args.plot_curve),
+        ("--plot-dir", plot_dir),
+    ):
+        if place and is_run_file(args.workdir, place):
+            raise UsageError(
+                f"{flag} {place} is a file the run keeps in its workdir (overwritten, the run "
+                "would be broken); name another file"
+            )
     if _output_file(args):
         output = Path(args.output)
         if output.is_dir():

@@ -537,6 +537,65 @@ def test_output_onto_an_input_file_is_refused_before_decoding(flag, tmp_path, ca
     assert src.read_text() == "a\n" and ref.read_text() == "b\n"
 
 
+@pytest.mark.parametrize(
+    "flags, refused",
+    [
+        (["--split", "val", "--output", "{w}/config.json"], "--output {w}/config.json"),
+        (["--split", "val", "--output", "{w}/tokenizer.model"], "--output {w}/tokenizer.model"),
+        (["--split", "val", "--output", "{w}/checkpoints/4/x"], "--output {w}/checkpoints/4/x"),
+        (["--split", "val", "--output", "{w}/events.out.tfevents.1.vm"], "--output {w}/events"),
+        (["--plot-curve", "{w}/metrics.jsonl"], "--plot-curve {w}/metrics.jsonl"),
+        (["--split", "val", "--plot-attention", "1", "--plot-dir", "{w}/cache"], "--plot-dir"),
+    ],
+    ids=["config", "tokenizer", "checkpoints", "events", "curve-on-metrics", "plots-in-cache"],
+)
+def test_output_onto_the_runs_own_files_is_refused_before_decoding(
+    flags, refused, tmp_path, capsys
+):
+    # --output workdir/config.json wrote translations over the run's config: neither
+    # evaluate.py nor train.py could use the workdir again.
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints").mkdir(parents=True)
+    (workdir / "config.json").write_text("{}\n")
+    argv = ["--workdir", workdir, *(f.format(w=workdir) for f in flags)]
+    code = evaluate.main([str(a) for a in argv], load=_no_decoding)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: {refused.format(w=workdir)}") and "the run keeps" in err, err
+    assert (workdir / "config.json").read_text() == "{}\n"
+    assert {train.CACHE_DIR, train.LOCK_FILE} <= set(checkpoints.RUN_ENTRIES)  # one list
+    # Beside them, translations are welcome.
+    beside = ["--workdir", str(workdir), "--split", "val", "--output", str(workdir / "val.hyp")]
+    evaluate._check_output_places(evaluate.parse_args(beside))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--output", "o.de"], "--plot-curve only draws the training curve: drop --output"),
+        (["--checkpoint", "3"], "drop --checkpoint"),
+        (["--average-last", "2"], "drop --average-last"),
+        (["--plot-attention", "2"], "drop --plot-attention"),
+    ],
+)
+def test_flags_the_curve_does_not_use_are_refused_not_ignored(flags, message, tmp_path, capsys):
+    # They were ignored with exit 0: --output o.de was never written.
+    argv = ["--workdir", tmp_path, "--plot-curve", tmp_path / "c.png", *flags]
+    code = evaluate.main([str(a) for a in argv], load=_no_decoding)
+    err = capsys.readouterr().err
+    assert err.startswith("error: --plot-curve only draws the training curve: drop ")
+    assert code == 2 and message in err and err.count("\n") == 1
+    assert not (tmp_path / "c.png").exists()
+
+
+@pytest.mark.parametrize("flags", [["--beam", "8"], ["--alpha", "0.6"]])
+def test_greedy_with_beam_settings_is_refused_not_ignored(flags, capsys):
+    with pytest.raises(SystemExit) as e:
+        evaluate.parse_args(["--workdir", "w", "--split", "val", "--greedy", *flags])
+    assert e.value.code == 2
+    assert "--greedy searches without a beam: drop --beam and --alpha" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("lang", ["en", "de"])
 def test_output_onto_a_file_of_the_split_is_refused_before_decoding(lang, tmp_path, capsys):
     # It overwrote the references, and the next evaluation scored BLEU 100.

@@ -48,6 +48,10 @@ TOKENIZER_FILE = "tokenizer.model"
 CHECKPOINT_DIR = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
 BEST_METRIC = "val_bleu"
+# What else train.py keeps in a workdir: its tokenized splits, the lock of a run under way,
+# and TensorBoard's event files (a prefix).
+RUN_ENTRIES = (CONFIG_FILE, TOKENIZER_FILE, CHECKPOINT_DIR, METRICS_FILE, "cache", "train.lock")
+EVENTS_PREFIX = "events.out.tfevents"
 # How a step's folder is named (`checkpoints/1000`): given to the manager, and used
 # by `update_meta` to find one step's folder.
 _STEP_NAME_FORMAT = ocp.path.step.standard_name_format()
@@ -216,6 +220,18 @@ def save_run_config(workdir: str | os.PathLike, config: dict[str, Any]) -> Path:
     path = Path(workdir) / CONFIG_FILE
     write_text_atomically(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
     return path
+
+
+def is_run_file(workdir: str | os.PathLike, path: str | os.PathLike) -> bool:
+    """Whether `path` is one of the files that train.py keeps in `workdir`, or is inside its
+    checkpoints/ or cache/: writing there breaks the run (a config.json overwritten by
+    translations cannot be made again)."""
+    try:
+        relative = Path(os.path.realpath(path)).relative_to(os.path.realpath(workdir))
+    except ValueError:
+        return False
+    first = relative.parts[0] if relative.parts else ""
+    return first in RUN_ENTRIES or first.startswith(EVENTS_PREFIX)
 
 
 def load_run_config(workdir: str | os.PathLike) -> dict[str, Any]:
