@@ -8,8 +8,8 @@ Everything evaluation needs lands in the workdir: config.json (model, data and
 training settings, and the code revision and package versions of every start),
 tokenizer.model, checkpoints/, metrics.jsonl and TensorBoard event files.
 Rerunning with the same --workdir resumes with the saved settings; flags given
-again may change the training schedule (e.g. more --steps) but not the model or
-the data.
+again may change the training schedule (e.g. more --steps) and where the data is
+read from (--data-dir, where it has moved), but not the model or the data.
 
 Exit status: 0 when done or interrupted (SIGINT, SIGTERM or SIGHUP save a
 checkpoint first), 1 when the loss became non-finite or a write failed during
@@ -281,12 +281,35 @@ def given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
-def _differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+def _differences(
+    saved: dict[str, Any], wanted: dict[str, Any], ignore: tuple[str, ...] = ()
+) -> list[str]:
     return [
         f"{k}={saved.get(k)!r} there, {wanted.get(k)!r} now"
-        for k in sorted(set(saved) | set(wanted))
+        for k in sorted((set(saved) | set(wanted)) - set(ignore))
         if saved.get(k) != wanted.get(k)
     ]
+
+
+# Where the data is read from, not what it is: a run whose checkpoints were trained on data
+# that has moved resumes from the new place, since the data iterator refuses to resume on
+# training data other than its checkpoint's (`TokenBatcher.restore`).
+DATA_LOCATIONS = ("data_dir", "tfds_data_dir")
+
+
+def resumed_changes(saved: dict[str, Any], train_cfg, data_cfg: dict[str, Any]) -> list[str]:
+    """What a resume changes of the run's saved settings, as "--flag old -> new": its
+    training settings (a larger --steps, say) and where its data is read from."""
+    flag_of = {field: flag for flag, field in TRAIN_FIELDS.items()}
+    changes = []
+    for section, now in (("train", train_cfg.to_dict()), ("data", data_cfg)):
+        there = saved.get(section) or {}
+        names = sorted(set(there) | set(now)) if section == "train" else DATA_LOCATIONS
+        for name in names:
+            if there.get(name) != now.get(name):
+                flag = "--" + flag_of.get(name, name).replace("_", "-")
+                changes.append(f"{flag} {there.get(name)} -> {now.get(name)}")
+    return changes
 
 
 def default_workdir(args: argparse.Namespace) -> Path:
@@ -380,7 +403,8 @@ def check_resume_matches(workdir: Path, saved: dict[str, Any], section: str, now
     """Raises a one-line error if a resumed run asks for another model or data setup."""
     from transformer.checkpoints import CheckpointError, checkpoint_steps
 
-    diffs = _differences(saved.get(section) or {}, now)
+    ignore = DATA_LOCATIONS if section == "data" else ()
+    diffs = _differences(saved.get(section) or {}, now, ignore)
     if diffs and checkpoint_steps(workdir):
         raise CheckpointError(
             f"{workdir} holds a run with other {section} settings ({'; '.join(diffs)}); "
@@ -405,11 +429,15 @@ def forget_unchecked_tokenizer(
     import orbax.checkpoint as ocp
 
     from data.tokenizer import TOKENIZER_FILENAME
-    from transformer.checkpoints import name_aside
+    from transformer.checkpoints import checkpoint_steps, name_aside
 
     path = workdir / TOKENIZER_FILENAME
     aside = None
-    if path.is_file() and (saved is None or _differences(saved.get("data") or {}, data_cfg)):
+    # Checkpoints tie it to their training data, wherever that is now.
+    ignore = DATA_LOCATIONS if checkpoint_steps(workdir) else ()
+    if path.is_file() and (
+        saved is None or _differences(saved.get("data") or {}, data_cfg, ignore)
+    ):
         aside = name_aside(path, "old")
         log(f"{path} is not from a run with these data settings: moved to {aside.name}")
     # Every process looks before process 0 moves it: one that looked later would not find
@@ -980,7 +1008,7 @@ def run_settings(args: argparse.Namespace, log) -> RunSettings:
     """Reads the workdir's config.json and checks the flags against it, before anything is
     written: a contradiction or a change a resume cannot take is a UsageError here."""
     import data
-    from transformer.checkpoints import CONFIG_FILE, load_run_config
+    from transformer.checkpoints import CONFIG_FILE, checkpoint_steps, load_run_config
 
     if args.workdir == "":
         raise UsageError("--workdir is empty: name a folder, or leave the flag out")
@@ -1016,6 +1044,9 @@ def run_settings(args: argparse.Namespace, log) -> RunSettings:
     model_config(args, saved, data_cfg["vocab_size"], pad_id=0)
     if saved is not None:
         check_resume_matches(workdir, saved, "data", data_cfg)
+        changes = resumed_changes(saved, train_cfg, data_cfg)
+        if changes and checkpoint_steps(workdir):
+            log(f"resuming with settings other than the run's: {'; '.join(changes)}")
     return RunSettings(workdir, saved, data_cfg, train_cfg, max_len)
 
 

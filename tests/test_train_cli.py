@@ -304,6 +304,29 @@ def test_stop_and_resume_gives_exactly_the_uninterrupted_parameters(
     assert elapsed == sorted(elapsed)  # the clock carries over the resume
 
 
+def test_a_run_resumes_exactly_from_its_moved_data_and_says_what_the_resume_changes(
+    straight_run, slice_dir, tmp_path, capsys
+):
+    # The error for moved data said to pass --data-dir, which was then refused as "other
+    # data settings": only editing config.json by hand resumed the run.
+    data_dir, moved = tmp_path / "data", tmp_path / "moved"
+    shutil.copytree(slice_dir, data_dir)
+    workdir = tmp_path / "run"
+    assert train.main(_flags(data_dir, workdir, "--steps", "8")) == 0
+    data_dir.rename(moved)
+    capsys.readouterr()
+    assert train.main(["--workdir", str(workdir), "--steps", "16", "--no-progress"]) == 2
+    assert f"data directory {data_dir} not found; pass --data-dir" in capsys.readouterr().err
+    resume = ["--workdir", str(workdir), "--data-dir", str(moved), "--steps", "16"]
+    assert train.main([*resume, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    changes = f"--steps 8 -> 16; --data-dir {data_dir} -> {moved}"
+    assert f"resuming with settings other than the run's: {changes}\n" in out
+    assert "resumed from step 8" in out
+    assert load_run_config(workdir)["data"]["data_dir"] == str(moved)
+    _params_equal(restore_params(workdir, "last")[0], restore_params(straight_run, "last")[0])
+
+
 def test_a_stop_between_two_log_records_resumes_to_the_same_records(
     straight_run, slice_dir, tmp_path, capsys, monkeypatch
 ):
