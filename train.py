@@ -1249,8 +1249,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from data import DataError
     from data.errors import os_error_line, out_of_memory_line
-    from transformer.checkpoints import CheckpointError, CheckpointWriteError, silence_orbax_logs
-    from transformer.compilation_cache import EMPTY_CACHE_FLAG, persistent_compilation_cache
+    from transformer.checkpoints import (
+        CheckpointError,
+        CheckpointWriteError,
+        silence_abandoned_writes,
+        silence_orbax_logs,
+    )
+    from transformer.compilation_cache import (
+        EMPTY_CACHE_FLAG,
+        abandon_threads_at_exit,
+        persistent_compilation_cache,
+    )
     from transformer.host_memory import keep_freed_host_memory
     from transformer.training import NonFiniteLossError
 
@@ -1273,6 +1282,9 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except (DataError, CheckpointError, UsageError) as e:
         status, line = (1 if isinstance(e, CheckpointWriteError) else 2), str(e)
+        if isinstance(e, CheckpointWriteError):  # Orbax's threads of the save wait forever
+            silence_abandoned_writes()
+            abandon_threads_at_exit()
     except NonFiniteLossError as e:
         status, line = 1, str(e)
     except OSError as e:  # a --workdir name too long, a full disk: not a usage error

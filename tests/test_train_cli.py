@@ -144,6 +144,34 @@ def test_a_full_disk_while_training_exits_1_with_one_line(slice_dir, tmp_path, c
     assert "no space left on device" in err
 
 
+# A checkpoint folder that cannot be made (permissions, which root passes by, so made here).
+UNWRITABLE_CHECKPOINTS = (
+    "import os; real = os.mkdir\n"
+    "def mkdir(path, *args, **kwargs):\n"
+    "    if 'orbax-checkpoint-tmp' in str(path):\n"
+    "        raise PermissionError(13, 'Permission denied', str(path))\n"
+    "    return real(path, *args, **kwargs)\n"
+    "os.mkdir = mkdir\n"
+    "import train; from transformer.compilation_cache import exit_process; exit_process(train.main)"
+)
+
+
+def test_a_failed_checkpoint_write_ends_the_process_with_one_line(slice_dir, tmp_path):
+    # Orbax leaves the rest of a failed save unstarted: on 2 devices its threads waited
+    # for it forever, so the process never exited, and on 1 Python printed 8 lines at exit
+    # ("coroutine '_create_paths' was never awaited", ...).
+    flags = _flags(slice_dir, tmp_path, "--steps", "8")
+    done = subprocess.run(
+        [sys.executable, "-c", UNWRITABLE_CHECKPOINTS, *flags], env=_two_cpu_devices_env(),
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: cannot write a checkpoint in ") and "Permission" in (
+        done.stderr
+    )
+    assert done.stderr.count("\n") == 1, done.stderr
+
+
 def test_without_a_progress_bar_each_log_step_prints_its_loss(slice_dir, tmp_path, capsys):
     assert train.main(_flags(slice_dir, tmp_path / "run", "--steps", "8")) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]

@@ -31,6 +31,7 @@ import platform
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
@@ -127,6 +128,18 @@ def silence_orbax_logs() -> None:
     """
     for name in ("absl", "asyncio"):
         logging.getLogger(name).addFilter(_not_from_orbax)  # a no-op when it is on already
+
+
+def silence_abandoned_writes() -> None:
+    """Drops the warnings about the coroutines of a failed Orbax save, for the rest of the
+    process.
+
+    For command-line programs, after a `CheckpointWriteError`: Orbax leaves the rest of
+    the save's coroutines unstarted, and Python prints two lines for each at exit
+    ("coroutine '_create_paths' was never awaited", "Enable tracemalloc ...") after the
+    error's one line. This program has no coroutines of its own.
+    """
+    warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
 
 
 @contextlib.contextmanager

@@ -215,9 +215,21 @@ def compile_side_by_side(
     return results
 
 
+_THREADS_ABANDONED = threading.Event()
+
+
+def abandon_threads_at_exit() -> None:
+    """Makes `exit_process` skip Python's exit (with one host), which would wait forever for
+    threads that will not end: Orbax's, after a failed checkpoint write, each waiting for a
+    signal from a part of the save that never started."""
+    _THREADS_ABANDONED.set()
+
+
 def _exits_at_once() -> bool:
-    """Whether `exit_process` skips Python's exit: a compilation runs, and one host."""
-    return any(worker.is_alive() for worker in _WORKERS) and jax.process_count() == 1
+    """Whether `exit_process` skips Python's exit: a compilation runs or threads were
+    abandoned, and one host."""
+    compiling = any(worker.is_alive() for worker in _WORKERS)
+    return (compiling or _THREADS_ABANDONED.is_set()) and jax.process_count() == 1
 
 
 @atexit.register  # after JAX's own exit handler is registered, so before it runs
@@ -228,7 +240,7 @@ def _wait_for_compilations() -> None:
 
 def exit_process(main: Callable[[], int]) -> NoReturn:
     """Runs a command's `main` and exits with its status, at once where a compilation is
-    still under way.
+    still under way or threads were abandoned (`abandon_threads_at_exit`).
 
     After a stop request or an error, `compile_side_by_side` returns without waiting for
     the compilations under way, which XLA cannot stop (on a GPU one can take half a
