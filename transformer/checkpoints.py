@@ -137,7 +137,7 @@ def silence_abandoned_writes() -> None:
     For command-line programs, after a `CheckpointWriteError`: Orbax leaves the rest of
     the save's coroutines unstarted, and Python prints two lines for each at exit
     ("coroutine '_create_paths' was never awaited", "Enable tracemalloc ...") after the
-    error's one line. This program has no coroutines of its own.
+    error's one line. The project has no coroutines of its own.
     """
     warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
 
