@@ -281,14 +281,27 @@ def given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
+def _changed(
+    saved: dict[str, Any], wanted: dict[str, Any], ignore: tuple[str, ...] = ()
+) -> list[str]:
+    """The settings, in order, whose values differ between `saved` and `wanted`."""
+    names = sorted((set(saved) | set(wanted)) - set(ignore))
+    return [k for k in names if saved.get(k) != wanted.get(k)]
+
+
 def _differences(
     saved: dict[str, Any], wanted: dict[str, Any], ignore: tuple[str, ...] = ()
 ) -> list[str]:
     return [
         f"{k}={saved.get(k)!r} there, {wanted.get(k)!r} now"
-        for k in sorted((set(saved) | set(wanted)) - set(ignore))
-        if saved.get(k) != wanted.get(k)
+        for k in _changed(saved, wanted, ignore)
     ]
+
+
+def _flag(field: str) -> str:
+    """The flag that sets a config field (learning_rate_scale: --lr-scale)."""
+    flag_of = {name: flag for flag, name in TRAIN_FIELDS.items()}
+    return "--" + flag_of.get(field, field).replace("_", "-")
 
 
 # Where the data is read from, not what it is: a run whose checkpoints were trained on data
@@ -300,15 +313,16 @@ DATA_LOCATIONS = ("data_dir", "tfds_data_dir")
 def resumed_changes(saved: dict[str, Any], train_cfg, data_cfg: dict[str, Any]) -> list[str]:
     """What a resume changes of the run's saved settings, as "--flag old -> new": its
     training settings (a larger --steps, say) and where its data is read from."""
-    flag_of = {field: flag for flag, field in TRAIN_FIELDS.items()}
+    saved_data = saved.get("data") or {}
     changes = []
-    for section, now in (("train", train_cfg.to_dict()), ("data", data_cfg)):
-        there = saved.get(section) or {}
-        names = sorted(set(there) | set(now)) if section == "train" else DATA_LOCATIONS
-        for name in names:
-            if there.get(name) != now.get(name):
-                flag = "--" + flag_of.get(name, name).replace("_", "-")
-                changes.append(f"{flag} {there.get(name)} -> {now.get(name)}")
+    for there, now in (
+        (saved.get("train") or {}, train_cfg.to_dict()),
+        (
+            {k: saved_data.get(k) for k in DATA_LOCATIONS},
+            {k: data_cfg.get(k) for k in DATA_LOCATIONS},
+        ),
+    ):
+        changes += [f"{_flag(k)} {there.get(k)} -> {now.get(k)}" for k in _changed(there, now)]
     return changes
 
 
@@ -337,7 +351,7 @@ def data_settings(args: argparse.Namespace, saved: dict[str, Any] | None) -> dic
         flags["tfds_data_dir"] = str(Path(flags["tfds_data_dir"]).resolve())
     for name in ("vocab_size", "max_tokens", "max_shapes"):
         if name in flags and flags[name] < 1:
-            flag = "--" + name.replace("_", "-")
+            flag = _flag(name)
             raise UsageError(f"bad data settings: {flag} must be >= 1, got {flags[name]}")
     settings.update(flags)
     return settings
@@ -390,13 +404,8 @@ def train_config(args: argparse.Namespace, saved: dict[str, Any] | None):
 
 def _in_flag_words(error: Exception, config_class: type) -> str:
     """A config error's message with its fields named as flags (learning_rate_scale: --lr-scale)."""
-    flag_of = {field: flag for flag, field in TRAIN_FIELDS.items()}
     fields = [f.name for f in dataclasses.fields(config_class)]
-    return re.sub(
-        rf"\b({'|'.join(fields)})\b",
-        lambda m: "--" + flag_of.get(m[1], m[1]).replace("_", "-"),
-        str(error),
-    )
+    return re.sub(rf"\b({'|'.join(fields)})\b", lambda m: _flag(m[1]), str(error))
 
 
 def check_resume_matches(workdir: Path, saved: dict[str, Any], section: str, now: dict) -> None:
@@ -896,9 +905,9 @@ class PreTrainingStop(Exception):
 
 
 class StopRequest(threading.Event):
-    """Set by SIGINT, SIGTERM or SIGHUP; `signum` says which came first. `compiling` is True while
-    the step programs are compiled before the first step, where a stop (with one host)
-    saves nothing."""
+    """Set by SIGINT, SIGTERM or SIGHUP; `signum` says which came first. `compiling` is
+    True while the step programs are compiled before the first step, where a stop (with
+    one host) saves nothing."""
 
     signum: int | None = None
     compiling: bool = False
