@@ -239,12 +239,20 @@ def _read_folder_split(
             f"(no {src_path.name} / {tgt_path.name}); "
             f"available splits: {', '.join(available) or 'none'}"
         )
-    for path in (src_path, tgt_path):
+    for path, other in ((src_path, tgt_path), (tgt_path, src_path)):
         if not os.path.lexists(path):
             langs = sorted(p.suffix[1:] for p in d.glob(f"{split}.*"))
+            lang = path.suffix[1:]
+            # A language the folder has for other splits is the right one, one file short.
+            elsewhere = sorted(p.name[: -len(lang) - 1] for p in d.glob(f"*.{lang}"))
+            advice = (
+                f"add {path.name} (the folder has {lang} files for: {', '.join(elsewhere)}), "
+                f"or remove {other.name} if there is no {split} split"
+                if elsewhere
+                else "choose the languages with --src and --tgt"
+            )
             raise DataError(
-                f"no {path.name} in {d} (its {split} files are in: {', '.join(langs)}); "
-                "choose the languages with --src and --tgt"
+                f"no {path.name} in {d} (its {split} files are in: {', '.join(langs)}); {advice}"
             )
     return read_parallel(src_path, tgt_path, clean=clean)
 

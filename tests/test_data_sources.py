@@ -213,7 +213,11 @@ def test_a_split_whose_files_are_broken_is_an_error_not_a_missing_split(multi30k
     (d / "val.de").unlink()
     with pytest.raises(data.DataError) as e:  # the one that is there is named
         data.load_corpus(spec, "val")
-    assert f"no val.de in {d} (its val files are in: en)" in one_line(e)
+    message = one_line(e)
+    assert f"no val.de in {d} (its val files are in: en)" in message
+    # de is the right language (train has it): the advice is the missing file, not --tgt.
+    assert "add val.de (the folder has de files for: train)" in message
+    assert "or remove val.en if there is no val split" in message and "--tgt" not in message
 
 
 def test_a_language_the_folder_lacks_names_those_it_has(multi30k_slice):
@@ -222,6 +226,7 @@ def test_a_language_the_folder_lacks_names_those_it_has(multi30k_slice):
         data.load_corpus(data.CorpusSpec(dataset="files", data_dir=str(d), src="cs"), "train")
     message = one_line(e)
     assert f"no train.cs in {d}" in message and "de, en, fr" in message and "--src" in message
+    assert "add train.cs" not in message
 
 
 @pytest.mark.parametrize(
