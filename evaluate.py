@@ -32,13 +32,14 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 from sacrebleu.metrics import BLEU, CHRF
 
 from data import CorpusSpec, DataError, decode_lines, load_corpus, read_aligned_lines, read_lines
+from data.batching import inference_length
 from data.errors import os_error_line, out_of_memory_line
 from data.text import is_written_in_place, write_text_atomically
 from transformer.checkpoints import CONFIG_FILE, CheckpointError, is_run_file
@@ -403,6 +404,26 @@ def _warn_of_long_sources(src_ids: list[list[int]], max_len: int) -> None:
         )
 
 
+def _memory_advice(args: argparse.Namespace, src_ids: Sequence[Sequence[int]]) -> str:
+    """What to lower when decoding runs out of memory.
+
+    A line padded to more than half of --max-tokens is decoded in a batch of its own
+    (`decoding_batches`), which no lower --max-tokens shrinks: the advice then names the
+    longest line.
+    """
+    advice = "lower --max-tokens, --beam or --max-extra-len"
+    if not src_ids:
+        return advice
+    longest = max(range(len(src_ids)), key=lambda i: len(src_ids[i]))
+    tokens = len(src_ids[longest])
+    if 2 * inference_length(tokens) <= args.max_tokens:
+        return advice
+    return (
+        f"{advice}; source line {longest + 1} ({tokens} tokens) is decoded alone whatever "
+        "--max-tokens is: if it is the one, shorten or split it"
+    )
+
+
 def _load_run(args: argparse.Namespace) -> Run:
     """Loads --checkpoint, or the average of the last --average-last K checkpoints.
 
@@ -431,6 +452,7 @@ def main(
 
 def _evaluate(args: argparse.Namespace, load: Callable[[argparse.Namespace], Run]) -> int:
     """main's work once flags are parsed; errors become `error: ...` lines and status 2."""
+    src_ids: list[list[int]] = []
     try:
         _check_args(args)
         _check_output_places(args)
@@ -483,7 +505,7 @@ def _evaluate(args: argparse.Namespace, load: Callable[[argparse.Namespace], Run
         print(f"error: {os_error_line(e)}", file=sys.stderr)
         return 2
     except Exception as e:
-        line = out_of_memory_line(e, "lower --max-tokens, --beam or --max-extra-len")
+        line = out_of_memory_line(e, _memory_advice(args, src_ids))
         if line is None:
             raise
         print(f"error: {line}", file=sys.stderr)

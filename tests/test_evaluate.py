@@ -1,6 +1,7 @@
 """evaluate.py end to end on a tiny workdir: sacreBLEU agreement, --translate, plots, errors."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -730,6 +731,30 @@ def test_a_run_with_no_checkpoint_yet_says_so(workdir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: no checkpoints in {run / 'checkpoints'}; train with train.py")
     assert err.count("\n") == 1
+
+
+def test_running_out_of_memory_names_a_line_too_long_for_max_tokens_to_help(
+    workdir, tmp_path, capsys, monkeypatch
+):
+    def out_of_memory(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 bytes.")
+
+    monkeypatch.setattr(evaluate, "translate_ids", out_of_memory)
+    src, hyp = tmp_path / "src.en", tmp_path / "hyp.de"
+    src.write_text("A dog.\n" + "A man " * 60 + "\nTwo cats.\n", encoding="utf-8")
+    argv = ["--workdir", workdir, "--src-file", src, *FAST, "--output", hyp]
+    # Line 2's batch holds it alone under 128 tokens: lowering --max-tokens cannot help.
+    code, _, err = _run([*argv, "--max-tokens", "128"], capsys)
+    assert code == 1 and not hyp.exists()
+    [line] = [e for e in err.splitlines() if e.startswith("error: ")]
+    alone = re.search(
+        r"; source line 2 \((\d+) tokens\) is decoded alone whatever --max-tokens is", line
+    )
+    assert alone and int(alone[1]) > 64, line
+    # Under the default 4096 every line shares a batch: --max-tokens is the advice.
+    code, _, err = _run(argv, capsys)
+    [line] = [e for e in err.splitlines() if e.startswith("error: ")]
+    assert code == 1 and line.endswith("; lower --max-tokens, --beam or --max-extra-len"), line
 
 
 def test_running_out_of_memory_while_decoding_names_the_flags(tmp_path, capsys):
