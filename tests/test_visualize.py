@@ -137,3 +137,16 @@ def test_the_curve_legend_covers_no_plotted_point(monkeypatch):
     inside = (box.x0 <= points[:, 0]) & (points[:, 0] <= box.x1)
     inside &= (box.y0 <= points[:, 1]) & (points[:, 1] <= box.y1)
     assert not inside.any(), points[inside]
+
+
+def test_a_run_with_one_training_record_draws_its_point(monkeypatch):
+    # A line through one point has no length: it was an empty plot with a legend.
+    import transformer.visualize as visualize
+
+    drawn = []
+    monkeypatch.setattr(visualize, "_save_png", lambda fig, path, dpi: drawn.append(fig))
+    plot_training_curve([{"step": 50, "elapsed_s": 12.0, "loss": 5.1}], "unused.png")
+    [fig] = drawn
+    [line] = [line for ax in fig.axes for line in ax.lines]
+    assert line.get_xydata().tolist() == [[0.2, 5.1]]
+    assert line.get_marker() not in (None, "", " ", "None", "none")

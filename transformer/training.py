@@ -9,9 +9,14 @@ device, each batch arrives as [devices, batch, len] and `pmap` gives each device
 its slice. Each device sums its token losses; `psum` of the loss sums and of
 the real-token counts makes the loss (and so the gradient) the mean over all
 real target tokens of the global batch, however it is split across devices.
-With dropout off, 1, 2 or 4 devices therefore train the same parameters up to
-float rounding (tests/test_pmap_equivalence.py). With dropout on they differ,
-because each device draws its own masks (its key is folded with its index).
+With dropout off, 1, 2 or 4 devices therefore compute the same losses and
+gradients up to float rounding, and plain SGD trains the same parameters
+(tests/test_pmap_equivalence.py). Adam's tiny eps turns the rounding noise of a
+gradient that is zero in exact arithmetic into updates as large as the learning
+rate: the attention key biases, which softmax ignores (they add the same q.b_k to
+every key's score), then differ between device counts without changing any
+output. With dropout on the runs differ, because each device draws its own masks
+(its key is folded with its index).
 
 The loop is split into parts a test can call: `create_train_state`,
 `make_train_step`, `make_eval_step`, `evaluate_loss`, `evaluate_bleu`,

@@ -255,7 +255,14 @@ def plot_training_curve(records: Sequence[dict[str, float]], path: str | os.Path
     bleu = [r for r in records if "val_bleu" in r and "elapsed_s" in r]
     minutes = lambda rs: [r["elapsed_s"] / 60 for r in rs]  # noqa: E731
     fig, loss_ax = plt.subplots(figsize=(7.5, 4.2), layout="constrained")
-    loss_ax.plot(minutes(train), [r["loss"] for r in train], color="tab:blue", label="train loss")
+    # One record (a run between its first and second log) is a line of no length: a dot.
+    loss_ax.plot(
+        minutes(train),
+        [r["loss"] for r in train],
+        "." if len(train) == 1 else "-",
+        color="tab:blue",
+        label="train loss",
+    )
     if val:
         loss_ax.plot(
             minutes(val), [r["val_loss"] for r in val], "o-", color="tab:cyan", label="val loss"
