@@ -3,8 +3,9 @@
   python benchmarks/fork_run.py runs/base runs/fork --step 9000
   python train.py --workdir runs/fork --cooldown-shape sqrt     # resumes at 9000
 
-The fork is a copy of the workdir without the checkpoints after `--step` (and
-without their metric lines, which train.py drops on resume). Resume is exact,
+The fork is a copy of the workdir without the checkpoints after `--step` and
+without the metrics.jsonl lines after it (the TensorBoard events keep theirs
+until train.py resumes the fork, which drops them). Resume is exact,
 so resuming the fork with the same flags repeats the base run to the last
 digit, and resuming it with settings that only differ after `--step` (a
 cooldown that starts later, its shape) gives exactly the run those settings
@@ -13,7 +14,9 @@ forks differ only by what was changed, not by a seed: the comparison is paired.
 
 `--dropout-key N` gives the fork another dropout key (that of `--seed N`), and
 so other dropout masks after `--step`, with everything else the same: how far
-a score moves with that alone is the noise floor of a paired comparison.
+a score moves with that alone is the noise floor of a paired comparison. An N
+whose key the checkpoint already has (the base run's --seed) is allowed, with a
+warning: that fork repeats the base run.
 """
 
 from __future__ import annotations
@@ -30,29 +33,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data.errors import os_error_line  # noqa: E402
 from transformer.checkpoints import (  # noqa: E402
     CONFIG_FILE,
+    METRICS_FILE,
     CheckpointError,
     checkpoint_dir,
     checkpoint_steps,
+    read_meta,
     update_meta,
 )
-from transformer.training import seed_keys  # noqa: E402
+from transformer.training import seed_keys, truncate_metrics  # noqa: E402
 
 
-def fork(source: Path, destination: Path, step: int, dropout_key: int | None = None) -> list[int]:
-    """Copies `source` into `destination` with the checkpoints up to `step` only.
+def fork(
+    source: Path, destination: Path, step: int, dropout_key: int | None = None, log=print
+) -> list[int]:
+    """Copies `source` into `destination` with the checkpoints and metrics up to `step` only.
 
     Args:
       source: a train.py workdir holding a checkpoint at `step`.
       destination: a new directory (must not exist).
       step: the checkpoint the fork resumes from.
       dropout_key: if given, the fork's dropout key becomes that of `--seed dropout_key`.
+      log: where the warning goes when that key is the one the checkpoint already has.
 
     Returns:
       The checkpoint steps of the fork.
 
     Raises:
-      ValueError: no workdir at `source`, no checkpoint at `step`, or `destination` exists.
+      ValueError: no workdir at `source`, no checkpoint at `step`, `destination` exists,
+        or a `dropout_key` outside [0, 2**32).
     """
+    if dropout_key is not None and not 0 <= dropout_key < 2**32:  # as train.py's --seed
+        raise ValueError(f"--dropout-key must be in [0, 2**32), got {dropout_key}")
     source = Path(source).resolve()  # as checkpoint_dir is, so the copy can tell it
     if not source.is_dir():
         raise ValueError(f"workdir {source} does not exist")
@@ -69,12 +80,19 @@ def fork(source: Path, destination: Path, step: int, dropout_key: int | None = N
         shutil.copytree(
             source, destination, ignore=lambda d, names: later if Path(d) == checkpoints else []
         )
-    except (OSError, shutil.Error):  # no half copy is left to be mistaken for a fork
+        if (destination / METRICS_FILE).exists():
+            truncate_metrics(destination / METRICS_FILE, step)
+        if dropout_key is not None:
+            key = [int(x) for x in jax.device_get(seed_keys(dropout_key)[1]).ravel()]
+            if read_meta(destination, step).get("rng") == key:
+                log(
+                    f"warning: --dropout-key {dropout_key} is the key checkpoint {step} "
+                    "already has: the fork repeats the base run"
+                )
+            update_meta(destination, step, {"rng": key})
+    except BaseException:  # no half-made fork is left to be mistaken for one
         shutil.rmtree(destination, ignore_errors=True)
         raise
-    if dropout_key is not None:
-        key = seed_keys(dropout_key)[1]
-        update_meta(destination, step, {"rng": [int(x) for x in jax.device_get(key).ravel()]})
     return [s for s in steps if s <= step]
 
 
@@ -86,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dropout-key", type=int, help="another dropout key: that of --seed N")
     args = p.parse_args(argv)
     try:
-        kept = fork(args.source, args.destination, args.step, args.dropout_key)
+        warn = lambda line: print(line, file=sys.stderr)  # noqa: E731
+        kept = fork(args.source, args.destination, args.step, args.dropout_key, log=warn)
     except (ValueError, CheckpointError, shutil.Error) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from benchmarks.fork_run import main as fork_main
 from benchmarks.soup import main as soup_main
 from benchmarks.soup import soup_params
 from transformer.checkpoints import CheckpointError, checkpoint_steps, restore_params
+from transformer.training import read_metrics
 
 
 def _flags(data_dir, workdir, *extra):
@@ -32,7 +33,7 @@ def _leaves(workdir, step):
 
 
 def test_a_fork_resumes_to_the_base_run_and_a_changed_fork_differs(
-    multi30k_slice, tmp_path, monkeypatch
+    multi30k_slice, tmp_path, monkeypatch, capsys
 ):
     data_dir = multi30k_slice(n=300)
     base = tmp_path / "base"
@@ -42,12 +43,18 @@ def test_a_fork_resumes_to_the_base_run_and_a_changed_fork_differs(
         m.chdir(tmp_path)
         assert fork_main(["base", "./relative/", "--step", "4"]) == 0
     assert checkpoint_steps(tmp_path / "relative") == [4]
+    # Its curve ends where it was forked: the base run's later records are not its own.
+    assert max(r["step"] for r in read_metrics(base)) == 8
+    assert [r["step"] for r in read_metrics(tmp_path / "relative")] == [4]
 
     # Unchanged, or given the dropout key the base run already had (that of its seed, 0).
     for name, fork_extra in (("same", []), ("key0", ["--dropout-key", "0"])):
         same = tmp_path / name
+        capsys.readouterr()
         assert fork_main([str(base), str(same), "--step", "4", *fork_extra]) == 0
         assert checkpoint_steps(same) == [4]
+        warning = "warning: --dropout-key 0 is the key checkpoint 4 already has: the fork"
+        assert (warning in capsys.readouterr().err) == (name == "key0")
         assert train.main(_flags(data_dir, same)) == 0
         for x, y in zip(_leaves(base, 8), _leaves(same, 8), strict=True):
             np.testing.assert_array_equal(x, y)
@@ -59,6 +66,7 @@ def test_a_fork_resumes_to_the_base_run_and_a_changed_fork_differs(
     ):
         other = tmp_path / name
         assert fork_main([str(base), str(other), "--step", "4", *fork_extra]) == 0
+        assert "warning" not in capsys.readouterr().err
         assert train.main(_flags(data_dir, other, *train_extra)) == 0
         for x, y in zip(_leaves(base, 4), _leaves(other, 4), strict=True):
             np.testing.assert_array_equal(x, y)
@@ -91,6 +99,17 @@ def test_fork_errors_are_one_line(tmp_path, capsys):
     assert "exists" in capsys.readouterr().err
     assert fork_main([str(tmp_path / "nope"), str(tmp_path / "fork"), "--step", "4"]) == 2
     assert capsys.readouterr().err == f"error: workdir {tmp_path / 'nope'} does not exist\n"
+    # Keys are 32 bits: -1 and 2**32 would be some seed's key (2**32 is seed 0's).
+    for key in ("-1", str(2**32)):
+        run = [str(tmp_path / "run"), str(tmp_path / "fork"), "--step", "4"]
+        assert fork_main([*run, "--dropout-key", key]) == 2
+        err = capsys.readouterr().err
+        assert err == f"error: --dropout-key must be in [0, 2**32), got {key}\n"
+    # A checkpoint whose meta cannot be read is found after the copy: the copy goes.
+    assert fork_main([*run, "--dropout-key", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert not (tmp_path / "fork").exists()
 
 
 def test_soup_refuses_workdirs_it_cannot_average_in_one_line(tmp_path, capsys, monkeypatch):

@@ -707,6 +707,26 @@ def checkpoint_steps(workdir: str | os.PathLike) -> list[int]:
         return ckpts.steps()
 
 
+def _meta_item(workdir: str | os.PathLike, step: int) -> Path:
+    """The JSON "meta" item of one finished checkpoint; CheckpointError if there is none."""
+    steps = checkpoint_steps(workdir)
+    if step not in steps:
+        raise CheckpointError(
+            f"no checkpoint at step {step} in {checkpoint_dir(workdir)}; available: "
+            f"{', '.join(map(str, steps)) or 'none'}"
+        )
+    return ocp.path.step.build_step_path(checkpoint_dir(workdir), _STEP_NAME_FORMAT, step) / "meta"
+
+
+def read_meta(workdir: str | os.PathLike, step: int) -> dict[str, Any]:
+    """The JSON "meta" item (step, RNG key, data position) of one finished checkpoint.
+
+    Raises:
+      CheckpointError: no checkpoint at `step`.
+    """
+    return ocp.JsonCheckpointHandler().restore(_meta_item(workdir, step))
+
+
 def update_meta(workdir: str | os.PathLike, step: int, changes: dict[str, Any]) -> dict[str, Any]:
     """Rewrites entries of the JSON "meta" item of one finished checkpoint, in place.
 
@@ -724,13 +744,7 @@ def update_meta(workdir: str | os.PathLike, step: int, changes: dict[str, Any]) 
     Raises:
       CheckpointError: no checkpoint at `step`.
     """
-    steps = checkpoint_steps(workdir)
-    if step not in steps:
-        raise CheckpointError(
-            f"no checkpoint at step {step} in {checkpoint_dir(workdir)}; available: "
-            f"{', '.join(map(str, steps)) or 'none'}"
-        )
-    item = ocp.path.step.build_step_path(checkpoint_dir(workdir), _STEP_NAME_FORMAT, step) / "meta"
+    item = _meta_item(workdir, step)
     handler = ocp.JsonCheckpointHandler()
     meta = {**handler.restore(item), **changes}
     with _quiet_orbax():

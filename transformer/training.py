@@ -591,11 +591,7 @@ class MetricsLog:
         if not enabled:
             return
         if self.path.exists():
-            kept = [r for r in _read_records(self.path) if r["step"] <= resume_step]
-            # A new file renamed over the old one: a failure while writing loses no record.
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-            os.replace(tmp, self.path)
+            kept = truncate_metrics(self.path, resume_step)
             if kept:
                 self._clock_offset = float(kept[-1].get("elapsed_s", 0.0))
         try:
@@ -665,6 +661,18 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
         if isinstance(record, dict) and isinstance(record.get("step"), int):
             records.append(record)
     return records
+
+
+def truncate_metrics(path: str | os.PathLike, last_step: int) -> list[dict[str, Any]]:
+    """Rewrites a metrics.jsonl file with its records up to `last_step` only (a resume's or
+    a fork's), and returns them. A new file is renamed over the old one, so a failure while
+    writing loses no record."""
+    path = Path(path)
+    kept = [r for r in _read_records(path) if r["step"] <= last_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return kept
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict[str, float]]:
