@@ -1,6 +1,7 @@
 """Batching: token cache, bucket shapes, padding efficiency, resume, device independence."""
 
 import json
+import zipfile
 
 import numpy as np
 import pytest
@@ -98,7 +99,7 @@ def test_token_cache_is_reused_and_invalidated(multi30k_tokenizer, multi30k_slic
     assert len(list(cache.glob("encoded-*.npz"))) == 4
 
 
-@pytest.mark.parametrize("damage", ["truncated", "empty", "lengths"])
+@pytest.mark.parametrize("damage", ["truncated", "empty", "lengths", "header"])
 def test_a_damaged_token_cache_is_made_again_with_a_warning(
     damage, multi30k_tokenizer, multi30k_slice, tmp_path, capsys
 ):
@@ -115,6 +116,14 @@ def test_a_damaged_token_cache_is_made_again_with_a_warning(
         arrays["src_len"] = arrays["src_len"] + 1
         with open(path, "wb") as f:
             np.savez(f, **arrays)
+    elif damage == "header":  # one byte of an array's header, CRC intact: a SyntaxError
+        with zipfile.ZipFile(path) as z:
+            members = {name: z.read(name) for name in z.namelist()}
+        assert b"'descr': '<" in members["src.npy"]
+        members["src.npy"] = members["src.npy"].replace(b"'descr': '<", b"'descr': ',", 1)
+        with zipfile.ZipFile(path, "w") as z:
+            for name, raw in members.items():
+                z.writestr(name, raw)
     else:
         path.write_bytes(path.read_bytes()[:100] if damage == "truncated" else b"")
     again = data.encode_corpus(tok, corpus, max_len=64, cache_dir=cache)
