@@ -96,7 +96,11 @@ class Tokenizer:
             raise DataError(f"cannot read tokenizer {path}: {e.strerror or e}") from None
         try:
             return cls(model_bytes, path)
-        except (RuntimeError, OSError) as e:
+        except DataError:
+            raise
+        # Any other error: damaged bytes can make SentencePiece raise RuntimeError,
+        # UnicodeDecodeError (a piece that is not UTF-8) or protobuf's DecodeError.
+        except Exception as e:
             raise DataError(
                 f"{path} is not a SentencePiece model ({e}); delete it to retrain"
             ) from None

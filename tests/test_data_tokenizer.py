@@ -83,6 +83,13 @@ def test_bad_settings_and_files_are_one_line_errors(small_corpus, tmp_path):
     (tmp_path / "junk.model").write_bytes(b"not a model")
     with pytest.raises(data.DataError, match="not a SentencePiece model"):
         data.Tokenizer.load(tmp_path / "junk.model")
+    # One damaged byte in a piece's name (b"<0x1A>" -> b"<0\xda1A>") was a UnicodeDecodeError.
+    data.train_tokenizer(texts, tmp_path / "t.model", vocab_size=400)
+    raw = (tmp_path / "t.model").read_bytes()
+    (tmp_path / "damaged.model").write_bytes(raw.replace(b"<0x1A>", b"<0\xda1A>", 1))
+    with pytest.raises(data.DataError, match="damaged.model is not a SentencePiece model") as e:
+        data.Tokenizer.load(tmp_path / "damaged.model")
+    assert "\n" not in str(e.value)
     with pytest.raises(data.DataError, match="cannot read tokenizer"):
         data.Tokenizer.load(tmp_path / "missing.model")
     (tmp_path / "empty.model").write_bytes(b"")  # was reported as "pad id -1, expected 0"
