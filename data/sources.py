@@ -234,10 +234,12 @@ def _read_folder_split(
     # their place is an error that read_parallel names.
     if not os.path.lexists(src_path) and not os.path.lexists(tgt_path):
         available = folder_splits(d, spec.src, spec.tgt)
+        gzipped = [f"{p.name}.gz" for p in (src_path, tgt_path) if Path(f"{p}.gz").is_file()]
+        advice = f"; decompress {' and '.join(gzipped)} (gunzip)" if gzipped else ""
         raise MissingSplitError(
             f"no split {split!r} for {spec.src}-{spec.tgt} in {d} "
             f"(no {src_path.name} / {tgt_path.name}); "
-            f"available splits: {', '.join(available) or 'none'}"
+            f"available splits: {', '.join(available) or 'none'}{advice}"
         )
     for path, other in ((src_path, tgt_path), (tgt_path, src_path)):
         if not os.path.lexists(path):

@@ -122,9 +122,11 @@ def decode_lines(raw: bytes, name: str) -> list[str]:
       The lines, without line terminators.
 
     Raises:
-      DataError: the bytes are UTF-16 or not valid UTF-8, or their lines end
-        with a carriage return alone.
+      DataError: the bytes are gzip-compressed, UTF-16 or not valid UTF-8, or
+        their lines end with a carriage return alone.
     """
+    if raw.startswith(b"\x1f\x8b"):  # gzip's magic bytes (Multi30k's upstream files are .gz)
+        raise DataError(f"{name} is gzip-compressed, not text; decompress it (gunzip, zcat)")
     if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise DataError(
             f"{name} is UTF-16 (it starts with a UTF-16 byte-order mark); "

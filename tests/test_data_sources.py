@@ -1,6 +1,7 @@
 """Sources and cleaning: normalization, file errors, skip counts, splits (real Multi30k)."""
 
 import concurrent.futures
+import gzip
 import os
 import stat
 
@@ -91,6 +92,27 @@ def test_invalid_utf8_names_file_and_line(multi30k_slice):
         data.read_parallel(d / "train.en", d / "train.de")
     message = one_line(e)
     assert str(d / "train.de") in message and "line 7" in message and "UTF-8" in message
+
+
+def test_gzipped_data_says_to_decompress_it(multi30k_slice):
+    # Multi30k's upstream files are .gz: the advice was to convert them with iconv.
+    d = multi30k_slice(n=20, splits=("train",))
+    for lang in ("en", "de"):
+        raw = (d / f"train.{lang}").read_bytes()
+        (d / f"train.{lang}").write_bytes(gzip.compress(raw))
+    with pytest.raises(data.DataError) as e:
+        data.read_parallel(d / "train.en", d / "train.de")
+    message = one_line(e)
+    assert message == f"{d / 'train.en'} is gzip-compressed, not text; decompress it (gunzip, zcat)"
+    # Named as they are upstream, with .gz: no split, and the files to decompress.
+    for lang in ("en", "de"):
+        (d / f"train.{lang}").rename(d / f"train.{lang}.gz")
+    spec = data.CorpusSpec(dataset="files", data_dir=str(d))
+    with pytest.raises(data.MissingSplitError) as e:
+        data.load_corpus(spec, "train")
+    assert one_line(e).endswith(
+        "available splits: none; decompress train.en.gz and train.de.gz (gunzip)"
+    )
 
 
 def test_missing_file_is_named(multi30k_slice):
