@@ -19,9 +19,9 @@ import hashlib
 import http.client
 import os
 import sys
-import tempfile
 import urllib.error
 import urllib.request
+import uuid
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -121,7 +121,10 @@ def download(split: str, lang: str, directory: Path) -> Path:
     source = url(split, lang)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=directory)
+        tmp_name = str(directory / f".{name}.{uuid.uuid4().hex}.part")
+        # Made with the umask's permissions, not mkstemp's 0600: a cache that users share
+        # ($TRANSFORMER_MT_CACHE) stays readable by all of them.
+        fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except OSError as e:
         raise _cache_error(directory, e) from None
     try:
@@ -139,7 +142,13 @@ def download(split: str, lang: str, directory: Path) -> Path:
                 f"(sha256 {sha.hexdigest()[:16]}..., expected {SHA256[name][:16]}...); "
                 f"the file was discarded; retry later, or place verified files in {directory}"
             )
-        os.replace(tmp_name, directory / name)
+        try:
+            os.replace(tmp_name, directory / name)
+        except OSError as e:  # e.g. a folder by that name: the error named the temporary file
+            raise DataError(
+                f"cannot put Multi30k {name} in place as {directory / name} "
+                f"({e.strerror or e}); remove what is there and run the same command again"
+            ) from None
     finally:
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)

@@ -4,6 +4,8 @@ import errno
 import gzip
 import http.client
 import io
+import os
+import stat
 import urllib.error
 
 import pytest
@@ -68,6 +70,31 @@ def test_download_verifies_and_caches(multi30k_dir, cache, monkeypatch):
     assert corpus.tgt_path == str(cache / "test2016.de")
     data.load_corpus(data.CorpusSpec(), "test2016")
     assert len(opener.urls) == 2  # second use: from the cache
+
+
+def test_downloads_are_readable_as_the_umask_says(multi30k_dir, cache, monkeypatch):
+    # A temporary file's 0600 made a cache shared through $TRANSFORMER_MT_CACHE unreadable
+    # to every other user.
+    monkeypatch.setattr(multi30k, "urlopen", FakeOpener(upstream(multi30k_dir, "val")))
+    umask = os.umask(0o022)
+    try:
+        data.load_corpus(data.CorpusSpec(), "val")
+    finally:
+        os.umask(umask)
+    for lang in ("en", "de"):
+        assert stat.S_IMODE((cache / f"val.{lang}").stat().st_mode) == 0o644
+
+
+def test_a_folder_in_the_place_of_a_download_is_named(multi30k_dir, cache, monkeypatch):
+    monkeypatch.setattr(multi30k, "urlopen", FakeOpener(upstream(multi30k_dir, "val")))
+    (cache / "val.en").mkdir(parents=True)
+    with pytest.raises(data.DataError) as e:
+        data.load_corpus(data.CorpusSpec(), "val")
+    assert str(e.value) == (
+        f"cannot put Multi30k val.en in place as {cache / 'val.en'} (Is a directory); "
+        "remove what is there and run the same command again"
+    )
+    assert [p.name for p in cache.iterdir()] == ["val.en"]  # no temporary file is left
 
 
 def test_wrong_content_is_rejected_and_nothing_is_kept(multi30k_dir, cache, monkeypatch):
@@ -143,10 +170,14 @@ def test_cache_root_that_is_a_file_is_a_data_error(tmp_path, monkeypatch):
 
 
 def test_unwritable_cache_directory_is_a_data_error(cache, monkeypatch):
-    def mkstemp(*args, **kwargs):  # what a read-only directory gives (root ignores chmod)
-        raise PermissionError(13, "Permission denied", kwargs.get("dir"))
+    real_open = os.open
 
-    monkeypatch.setattr(multi30k.tempfile, "mkstemp", mkstemp)
+    def open_file(path, *args, **kwargs):  # what a read-only directory gives (root ignores chmod)
+        if str(path).startswith(str(cache)):
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(multi30k.os, "open", open_file)
     monkeypatch.setattr(multi30k, "urlopen", FakeOpener({}))
     with pytest.raises(data.DataError) as e:
         data.load_corpus(data.CorpusSpec(), "val")
