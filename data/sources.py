@@ -230,9 +230,22 @@ def _read_folder_split(
             "pass --data-dir pointing at a folder of {split}.{lang} files"
         )
     src_path, tgt_path = d / f"{split}.{spec.src}", d / f"{split}.{spec.tgt}"
+
+    def there(path: Path) -> bool:  # os.path.lexists, which says False for "cannot look"
+        try:
+            os.lstat(path)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise DataError(
+                f"cannot look into the data directory {d} ({e.strerror or e}); "
+                "fix its permissions or pass another --data-dir"
+            ) from None
+        return True
+
     # Only files that are not there make a missing split: a broken link or a folder in
     # their place is an error that read_parallel names.
-    if not os.path.lexists(src_path) and not os.path.lexists(tgt_path):
+    if not there(src_path) and not there(tgt_path):
         available = folder_splits(d, spec.src, spec.tgt)
         gzipped = [f"{p.name}.gz" for p in (src_path, tgt_path) if Path(f"{p}.gz").is_file()]
         advice = f"; decompress {' and '.join(gzipped)} (gunzip)" if gzipped else ""
@@ -242,7 +255,7 @@ def _read_folder_split(
             f"available splits: {', '.join(available) or 'none'}{advice}"
         )
     for path, other in ((src_path, tgt_path), (tgt_path, src_path)):
-        if not os.path.lexists(path):
+        if not there(path):
             langs = sorted(p.suffix[1:] for p in d.glob(f"{split}.*"))
             lang = path.suffix[1:]
             # A language the folder has for other splits is the right one, one file short.

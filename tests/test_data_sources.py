@@ -242,6 +242,29 @@ def test_a_split_whose_files_are_broken_is_an_error_not_a_missing_split(multi30k
     assert "or remove val.en if there is no val split" in message and "--tgt" not in message
 
 
+def test_a_data_folder_that_cannot_be_looked_into_is_not_a_missing_split(
+    multi30k_slice, monkeypatch
+):
+    # A folder without search permission for this user: os.path.lexists said False, and
+    # the error was "no split 'train' ... available splits: none".
+    d = multi30k_slice(n=10, splits=("train",))
+    lstat = os.lstat
+
+    def denied(path, *args, **kwargs):
+        if os.path.dirname(path) == str(d):
+            raise PermissionError(13, "Permission denied", str(path))
+        return lstat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "lstat", denied)
+    with pytest.raises(data.DataError) as e:
+        data.load_corpus(data.CorpusSpec(dataset="files", data_dir=str(d)), "train")
+    assert not isinstance(e.value, data.MissingSplitError)
+    assert one_line(e) == (
+        f"cannot look into the data directory {d} (Permission denied); "
+        "fix its permissions or pass another --data-dir"
+    )
+
+
 def test_a_language_the_folder_lacks_names_those_it_has(multi30k_slice):
     d = multi30k_slice(n=10, splits=("train",), langs=("en", "de", "fr"))
     with pytest.raises(data.DataError) as e:
