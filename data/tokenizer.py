@@ -40,6 +40,7 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3  # set at training; read them from T
 MODEL_TYPES = ("bpe", "unigram")
 DEFAULT_VOCAB_SIZE = 6000  # joint en+de; train.py's default too (a test keeps them equal)
 TOKENIZER_FILENAME = "tokenizer.model"
+MAX_SENTENCE_BYTES = 1 << 16  # SentencePiece's training skips longer sentences
 
 
 class Tokenizer:
@@ -198,7 +199,7 @@ def train_tokenizer(
             # Every sentence, in order: sampling would make training non-deterministic.
             input_sentence_size=0,
             shuffle_input_sentence=False,
-            max_sentence_length=1 << 16,
+            max_sentence_length=MAX_SENTENCE_BYTES,
             num_threads=1,  # the trained model depends on the thread count
             minloglevel=2,
         )
@@ -211,6 +212,13 @@ def train_tokenizer(
                 "too small for the characters of this corpus; "
                 "choose a larger vocab_size (--vocab-size)"
             )
+        elif all(len(t.encode("utf-8")) > MAX_SENTENCE_BYTES for t in texts):
+            # SentencePiece skips such sentences without a word, then has none to train on.
+            raise DataError(
+                f"cannot train a tokenizer: every sentence of the training data is longer than "
+                f"{MAX_SENTENCE_BYTES} bytes, which SentencePiece skips; split the lines into "
+                "sentences"
+            ) from None
         else:
             raise DataError(f"tokenizer training failed: {message}") from None
         raise DataError(f"vocabulary size {vocab_size} is {advice} ({message})") from None

@@ -80,6 +80,14 @@ def test_bad_settings_and_files_are_one_line_errors(small_corpus, tmp_path):
         data.train_tokenizer(texts, tmp_path / "t.model", vocab_size=100)
     with pytest.raises(data.DataError, match="model type"):
         data.train_tokenizer(texts, tmp_path / "t.model", model_type="wordpiece")
+    # SentencePiece skips sentences over 64 KiB: with only such, its error was an INTERNAL
+    # check of its source code.
+    with pytest.raises(data.DataError) as e:
+        data.train_tokenizer(["a dog " * 11000] * 3, tmp_path / "t.model", vocab_size=300)
+    assert str(e.value) == (
+        "cannot train a tokenizer: every sentence of the training data is longer than 65536 "
+        "bytes, which SentencePiece skips; split the lines into sentences"
+    )
     (tmp_path / "junk.model").write_bytes(b"not a model")
     with pytest.raises(data.DataError, match="not a SentencePiece model"):
         data.Tokenizer.load(tmp_path / "junk.model")
