@@ -73,7 +73,9 @@ class Prefetcher:
         return self._state
 
     def close(self) -> None:
-        """Stops the background thread; pending items are discarded."""
+        """Asks the background thread to stop and waits for it up to 5 s; pending items are
+        discarded. A thread still inside a slow `next()` of the wrapped iterator finishes
+        that call on its own; it is a daemon, so it does not keep the process alive."""
         self._stop.set()
         self._done = True
         while True:

@@ -42,9 +42,10 @@ def normalize(text: str) -> str:
     control characters are removed; Unicode NFKC is applied (folds no-break
     spaces, full-width forms, ligatures); the five XML entities (``&amp;``
     ...) are unescaped, repeatedly, so double-escaped ``&amp;amp;`` also
-    becomes ``&``; every run of whitespace (tabs included) becomes a single
-    space, with none at either end. The order makes the function idempotent:
-    ``normalize(normalize(s)) == normalize(s)``.
+    becomes ``&``, and NFKC is applied again where they were (``&lt;`` and a
+    combining U+0338 make one ``≮``); every run of whitespace (tabs included)
+    becomes a single space, with none at either end. The order makes the
+    function idempotent: ``normalize(normalize(s)) == normalize(s)``.
 
     Args:
       text: a raw sentence.
@@ -56,11 +57,14 @@ def normalize(text: str) -> str:
     if not text.isprintable():  # fast path: most lines have no control characters
         text = "".join(c for c in text if c.isspace() or unicodedata.category(c) != "Cc")
     text = unicodedata.normalize("NFKC", text)
-    while "&" in text:
-        unescaped = _XML_ENTITY_RE.sub(lambda m: _XML_ENTITIES[m.group(0)], text)
-        if unescaped == text:
+    unescaped = text
+    while "&" in unescaped:
+        once = _XML_ENTITY_RE.sub(lambda m: _XML_ENTITIES[m.group(0)], unescaped)
+        if once == unescaped:
             break
-        text = unescaped
+        unescaped = once
+    if unescaped != text:  # an unescaped "<" can compose with what follows: "&lt;\u0338"
+        text = unicodedata.normalize("NFKC", unescaped)
     return " ".join(text.split())
 
 

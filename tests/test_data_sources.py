@@ -34,7 +34,15 @@ def test_normalize_folds_spaces_entities_and_invisibles():
 
 @pytest.mark.parametrize(
     "text",
-    ["&amp;amp;amp;", "\uff06amp;", "&am\u200bp;", "e\u200b\u0301", "a\x00\u0301", "&#38;amp;"],
+    [
+        "&amp;amp;amp;",
+        "\uff06amp;",
+        "&am\u200bp;",
+        "e\u200b\u0301",
+        "a\x00\u0301",
+        "&#38;amp;",
+        "&lt;\u0338 &gt;\u0338",  # the unescaped < and > compose with U+0338: \u226e, \u226f
+    ],
 )
 def test_normalize_is_idempotent_on_tricky_input(text):
     once = data.normalize(text)
