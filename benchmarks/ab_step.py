@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         train_speed = importlib.import_module("benchmarks.train_speed")
         train_speed.check_preset_names(parser, "--preset", [args.preset])
         train_speed.check_step_shape_arguments(parser, args)
+        train_speed.step_rows(parser, args.rows, args.length, args.length)
 
     with tempfile.TemporaryDirectory() as tmp:
         # Both exported first, so that a bad revision fails before anything is compiled.

@@ -34,9 +34,9 @@ from benchmarks.train_speed import (  # noqa: E402
     add_step_shape_arguments,
     check_preset_names,
     check_step_shape_arguments,
-    default_rows,
     make_step_inputs,
     step_config,
+    step_rows,
 )
 from train import DEFAULT_PRESET  # noqa: E402
 from transformer.host_memory import keep_freed_host_memory  # noqa: E402
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         check_preset_names(parser, "--preset", [args.preset])
     keep_freed_host_memory()  # before the first computation starts XLA's threads
     preset = args.preset or DEFAULT_PRESET
-    rows = args.rows or default_rows(args.src_len, args.tgt_len)
+    rows = step_rows(parser, args.rows, args.src_len, args.tgt_len)
     cfg = step_config(preset, args)
     step, state, batch = make_step_inputs(cfg, rows, args.src_len, args.tgt_len)
     # Compiled once, here: the traced program is the one whose HLO names the matmul fusions.

@@ -105,11 +105,24 @@ def default_rows(src_len: int, tgt_len: int) -> int:
     return DATA_DEFAULTS["max_tokens"] // (src_len + tgt_len)
 
 
+def step_rows(parser: argparse.ArgumentParser, rows: int | None, src_len: int, tgt_len: int) -> int:
+    """--rows, or `default_rows` rounded down to a whole number per local device; a --rows
+    that the devices cannot split evenly is a usage error (pmap gives each rows / devices,
+    and the figures count them all). Starts JAX's backend: call it after
+    `keep_freed_host_memory`."""
+    n = jax.local_device_count()
+    if rows is None:
+        return max(n, default_rows(src_len, tgt_len) // n * n)
+    if rows % n:
+        parser.error(f"--rows {rows} is not a multiple of the {n} local devices, which share it")
+    return rows
+
+
 def add_step_shape_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds --vocab-size, --rows, --src-len, --tgt-len and --matmul-dtype: the measured step.
 
     Shared by the benchmarks that time or trace this step, so that they measure
-    the same one. --rows is None unless given; `default_rows` fills it in.
+    the same one. --rows is None unless given; `step_rows` fills it in.
     """
     parser.add_argument(
         "--vocab-size",
@@ -170,6 +183,8 @@ def make_step_inputs(cfg: TransformerConfig, rows: int, src_len: int, tgt_len: i
     state = replicate(create_train_state(model, optimizer, seed=0))
     step = make_train_step(model, optimizer, label_smoothing=0.1, pad_id=cfg.pad_id)
     n = jax.local_device_count()
+    if rows % n:  # each device would get rows // n: the step would not be the one measured
+        raise ValueError(f"rows ({rows}) must be a multiple of the {n} local devices")
     rng = np.random.default_rng(0)
 
     def tokens(length):  # real tokens everywhere: ids 4.. (0-3 are pad/unk/bos/eos)
@@ -274,8 +289,8 @@ def main(argv: list[str] | None = None) -> None:
         except data.DataError as e:
             parser.error(f"--data-dir: {e}")
     keep_freed_host_memory()  # before the first computation starts XLA's threads
-    if args.rows is None:  # 2048 // (16 + 16) = 64 with the defaults
-        args.rows = default_rows(args.src_len, args.tgt_len)
+    # 2048 // (16 + 16) = 64 with the defaults
+    args.rows = step_rows(parser, args.rows, args.src_len, args.tgt_len)
 
     devices = jax.local_devices()
     print(f"devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()})")
@@ -308,10 +323,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     for name, first, seconds, flops in results:
         tokens_per_s = args.rows * args.tgt_len / seconds
+        utilization = flops / seconds / peak
+        # A small --matmul-size times a peak below what the step's larger matmuls reach.
+        beyond = " (over 100%: raise --matmul-size for a true peak)" if utilization > 1 else ""
         print(
             f"{name}: {shape}: first step (compile) {first:.1f} s; {seconds * 1e3:.0f} ms/step; "
             f"{tokens_per_s:,.0f} target tokens/s; {flops / 1e9:.1f} GFLOP/step; "
-            f"{flops / seconds / 1e9:.1f} GFLOP/s; utilization {flops / seconds / peak:.1%}"
+            f"{flops / seconds / 1e9:.1f} GFLOP/s; utilization {utilization:.1%}{beyond}"
         )
     if train is not None:
         print(f"default pipeline on Multi30k en-de: {default_pipeline_shapes(train)}")

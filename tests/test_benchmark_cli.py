@@ -1,6 +1,9 @@
 """The benchmark scripts reject bad flags up front, with one `error:` line, before timing."""
 
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -120,6 +123,35 @@ def test_sizes_a_step_benchmark_cannot_run_with_are_usage_errors(capsys, main, a
     # Each was a traceback after compiling (or a silently wrong figure: --warmup -1 timed
     # the compile as a step).
     assert message in usage_error(main, argv, capsys)
+
+
+def test_train_speed_counts_the_rows_the_devices_really_train(tmp_path):
+    # With 2 devices, --rows 3 trained 2 rows (1 each) and reported 3; --rows 1 timed an
+    # empty batch. The default (2048 // 62 = 33 rows here) is rounded down to 32.
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    script = [sys.executable, str(Path(train_speed.__file__))]
+    tiny = ["--presets", "tiny", "--steps", "1", "--matmul-size", "64"]
+    for rows in ("3", "1"):
+        run = subprocess.run(
+            [*script, *tiny, "--rows", rows], env=env, capture_output=True, text=True
+        )
+        assert run.returncode == 2 and run.stdout == "", run.stderr
+        assert run.stderr.splitlines()[-1].endswith(
+            f"error: --rows {rows} is not a multiple of the 2 local devices, which share it"
+        )
+    none = str(tmp_path / "none")  # no data folder: the pipeline line is left out
+    run = subprocess.run(
+        [*script, *tiny, "--src-len", "31", "--tgt-len", "31", "--data-dir", none],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    # The figures are computed from the rows printed: those each step trained.
+    [line] = [line for line in run.stdout.splitlines() if line.startswith("tiny: 32 x (31 src")]
+    # A 64^3 probe is no peak: a utilization over 100% says so.
+    utilization = float(line.split("utilization ")[1].split("%")[0])
+    assert (utilization > 100) == line.endswith("(over 100%: raise --matmul-size for a true peak)")
 
 
 def test_train_speed_checks_the_data_folder_before_timing(tmp_path, capsys):
