@@ -34,7 +34,7 @@ def test_trains_on_the_copies_and_puts_encode_corpus_back(multi30k_slice, tmp_pa
         "--workdir", str(tmp_path / "run"), "--dataset", "files",
         "--data-dir", str(multi30k_slice(n=300)), "--preset", "tiny", "--vocab-size", "400",
         "--max-tokens", "1024", "--max-shapes", "1", "--steps", "2", "--warmup-steps", "1",
-        "--eval-every", "0", "--bleu-every", "0", "--no-progress",
+        "--eval-every", "0", "--bleu-every", "0", "--no-progress", "--max-len", "24",
     ]  # fmt: skip
     assert bpe_dropout.main(flags) == 0
     out = capsys.readouterr().out
@@ -44,6 +44,10 @@ def test_trains_on_the_copies_and_puts_encode_corpus_back(multi30k_slice, tmp_pa
     kept = int(re.search(r"data: train en-de: \d+ pairs read, (\d+) kept", out)[1])
     dropped = int(re.search(rf"data: {pairs} pairs encoded, (\d+) longer than", out)[1])
     assert pairs + dropped == 2 * kept
+    # Sampling makes sentences longer. Counted over the copies --max-len had filtered (it
+    # drops more sampled pairs than plain ones), the ratios came out below 1.
+    ratios = re.search(r"deterministic one: source ([\d.]+), target ([\d.]+)", line)
+    assert float(ratios[1]) > 1 and float(ratios[2]) > 1, line
     assert data.encode_corpus is bpe_dropout.encode_corpus
 
 
