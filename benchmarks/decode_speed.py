@@ -127,6 +127,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _sources(spec: data.CorpusSpec, args: argparse.Namespace) -> list[str]:
+    """The --split's source sentences (the first --limit), of which one at least is not
+    empty: with none, every rate would divide by zero."""
+    sources = data.load_corpus(spec, args.split, clean=False).src
+    if args.limit:
+        sources = sources[: args.limit]
+    if not any(map(data.normalize, sources)):  # what encode_sources leaves empty
+        first = f"the first {args.limit} lines of " if args.limit else ""
+        raise data.DataError(
+            f"{first}--split {args.split} {'hold' if first else 'holds'} no source sentence "
+            "to decode; choose another split"
+        )
+    return sources
+
+
 def time_modes(args: argparse.Namespace) -> int:
     """Times every mode of `args` and prints the table; returns the exit status."""
     if args.workdir:
@@ -134,18 +149,16 @@ def time_modes(args: argparse.Namespace) -> int:
         model, params, tokenizer = run.model, run.params, run.tokenizer
         spec = data.CorpusSpec.from_settings(run.config["data"])
         print(f"model: {args.workdir} ({run.checkpoint})")
-        sources = data.load_corpus(spec, args.split, clean=False).src
+        sources = _sources(spec, args)
     else:
         spec = data.CorpusSpec(dataset="files", data_dir=args.data_dir)
         # Read before the tokenizer is trained, so that a bad --split fails at once.
-        sources = data.load_corpus(spec, args.split, clean=False).src
+        sources = _sources(spec, args)
         model, params, tokenizer = random_small_model(args.data_dir)
         print(
             "model: RANDOMLY INITIALIZED 'small' preset (no --workdir), tokenizer trained on train"
         )
     params = jax.device_put(params)
-    if args.limit:
-        sources = sources[: args.limit]
     src_ids = [ids for ids in encode_sources(tokenizer, sources) if ids]
     batches = []
     for _, src in decoding_batches(src_ids, max_tokens=args.max_tokens, pad_id=tokenizer.pad_id):

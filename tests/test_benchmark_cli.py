@@ -44,6 +44,17 @@ def test_decode_speed_rejects_an_unknown_mode(capsys):
     assert line.endswith("error: --modes: unknown mode 'gredy'; choose from beam, greedy")
 
 
+def test_decode_speed_refuses_a_split_without_a_sentence_to_decode(multi30k_slice, capsys):
+    # Blank lines only: it timed nothing, then divided by zero (a traceback).
+    folder = multi30k_slice(n=20, splits=("train",))
+    for lang in ("en", "de"):
+        (folder / f"blank.{lang}").write_text("\n \n\t\n", encoding="utf-8")
+    assert decode_speed.main(["--data-dir", str(folder), "--split", "blank"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # failed before a model was built
+    assert err == "error: --split blank holds no source sentence to decode; choose another split\n"
+
+
 def test_decode_speed_names_a_missing_split_in_one_line(multi30k_slice, capsys):
     folder = multi30k_slice(n=20, splits=("train",))
     assert decode_speed.main(["--data-dir", str(folder), "--split", "tset2016"]) == 2
