@@ -255,6 +255,36 @@ def test_a_tiny_set_can_be_overfit(tiny_setup, tmp_path):
     assert checkpoint_steps(tmp_path) == [100]
 
 
+def test_an_overflowed_gradient_with_a_finite_loss_is_not_saved(tiny_setup, tmp_path):
+    # A step whose loss is finite but whose gradient overflowed leaves NaN parameters.
+    # Checked by its loss alone, step 8 (a checkpoint step, the last) was saved so.
+    tokenizer, encoded, model_config = tiny_setup
+    config = TrainConfig(steps=8, log_every=4, eval_every=0, checkpoint_every=4, **_RECIPE)
+    trainer = Trainer(model_config, config, tmp_path, pad_id=tokenizer.pad_id, progress=False)
+    batcher = _batcher(tokenizer, encoded)
+    trainer.restore_or_init(batcher)
+    trainer.open_metrics()
+    train = trainer._train
+
+    def overflowing(state, batch):  # what an inf in the backward pass does at step 8
+        state, metrics = train(state, batch)
+        if trainer.step == 7:
+            state = state.replace(params=jax.tree.map(lambda x: x * np.nan, state.params))
+            metrics = {**metrics, "grad_norm": metrics["grad_norm"] * np.inf}
+        return state, metrics
+
+    trainer._train = overflowing
+    with pytest.raises(NonFiniteLossError) as info:
+        trainer.run(with_data_state(batcher), 8)
+    trainer.close()
+    message = str(info.value)
+    assert message.startswith("gradient norm is inf at step 8 (its loss, ")
+    assert "stopped without saving this step" in message and "\n" not in message
+    assert checkpoint_steps(tmp_path) == [4]
+    params, _ = restore_params(tmp_path, "last")
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+
+
 def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(
     tiny_setup, tmp_path
 ):

@@ -68,7 +68,15 @@ COOLDOWN_SHAPES = ("linear", "sqrt")
 
 
 class NonFiniteLossError(Exception):
-    """The training loss became NaN or infinite; str() is a one-line message."""
+    """The training loss, or the gradient's norm, became NaN or infinite; str() is a
+    one-line message."""
+
+
+_NON_FINITE_ADVICE = (
+    "stopped without saving this step (lower learning_rate_scale (--lr-scale), raise "
+    "warmup_steps (--warmup-steps) or set grad_clip_norm (--clip-grad-norm), then resume "
+    "from the last checkpoint)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1171,6 +1179,13 @@ class _StepMetrics:
         self._pending = None
         values = {k: v.item() for k, v in unreplicate(metrics).items()}
         self._check_loss(step, values["loss"])
+        # A finite loss with a gradient that overflowed still leaves NaN parameters (the
+        # clipped or Adam update of an infinite gradient), which must not be saved.
+        if not math.isfinite(values["grad_norm"]):
+            raise NonFiniteLossError(
+                f"gradient norm is {values['grad_norm']} at step {step} (its loss, "
+                f"{values['loss']:.4g}, is finite); {_NON_FINITE_ADVICE}"
+            )
         self._tokens += int(values["num_tokens"])
         self.window.add(values)
         self.stop_voted |= values.pop("stop_votes", 0) > 0
@@ -1223,11 +1238,7 @@ def check_finite_loss(step: int, loss: float) -> None:
       loss: its training loss.
     """
     if not math.isfinite(loss):
-        raise NonFiniteLossError(
-            f"training loss is {loss} at step {step}; stopped without saving this step "
-            "(lower learning_rate_scale (--lr-scale), raise warmup_steps (--warmup-steps) or "
-            "set grad_clip_norm (--clip-grad-norm), then resume from the last checkpoint)"
-        )
+        raise NonFiniteLossError(f"training loss is {loss} at step {step}; {_NON_FINITE_ADVICE}")
 
 
 def with_data_state(batcher: Any) -> Iterator[tuple[Batch, dict[str, Any]]]:
