@@ -163,6 +163,58 @@ def test_damaged_latest_is_reported_and_the_one_before_used(tmp_path, params):
     assert "kept as 2.damaged" in warnings[0] and "\n" not in warnings[0]
 
 
+@pytest.mark.parametrize("item", ["params", "opt_state"])
+def test_a_checkpoint_without_an_items_metadata_file_is_restored_by_the_templates(
+    tmp_path, params, item
+):
+    # Without params/_METADATA Orbax reports every parameter "absent": the resume stopped,
+    # telling of another model config (use a new --workdir). The arrays are all there.
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(1, _shifted(params, 1), _OPT, {"rng": [0, 1]})
+        ckpts.save(2, _shifted(params, 2), _OPT, {"rng": [0, 2]})
+    (tmp_path / "checkpoints" / "2" / item / "_METADATA").unlink()
+    warnings = []
+    with Checkpoints(tmp_path, keep=3, log=warnings.append) as ckpts:
+        restored = ckpts.restore_latest(params, _OPT)
+    assert warnings == [] and restored.step == 2 and restored.meta["rng"] == [0, 2]
+    expected = jax.tree.leaves(_shifted(params, 2))
+    for a, b in zip(jax.tree.leaves(restored.params), expected, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_optimizer_state_of_another_form_is_an_error_not_damage(tmp_path, params):
+    # Skipped as damaged, every checkpoint of the run went with the advice to delete them.
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(1, params, _OPT, {"rng": [0, 1]})
+    other = {"count": np.zeros((), np.int32), "momentum": np.zeros(3, np.float32)}
+    warnings = []
+    with (
+        Checkpoints(tmp_path, keep=3, log=warnings.append) as ckpts,
+        pytest.raises(CheckpointError, match="holds an optimizer state of another form") as e,
+    ):
+        ckpts.restore_latest(params, other)
+    assert warnings == [] and "\n" not in str(e.value)
+    # Given the form it was saved in, with the way to this one, it is restored.
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        to_other = lambda saved: {**saved, "momentum": np.ones(3, np.float32)}  # noqa: E731
+        restored = ckpts.restore_latest(params, other, [(_OPT, to_other)])
+    assert restored.step == 1 and restored.opt_state["momentum"].tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("meta", ["{}", "null"])
+def test_a_meta_item_without_the_rng_key_is_damage(tmp_path, params, meta):
+    # Valid JSON, so Orbax reads it: the Trainer then failed with a KeyError traceback.
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(1, _shifted(params, 1), _OPT, {"rng": [0, 1]})
+        ckpts.save(2, _shifted(params, 2), _OPT, {"rng": [0, 2]})
+    (tmp_path / "checkpoints" / "2" / "meta" / "metadata").write_text(meta)
+    warnings = []
+    with Checkpoints(tmp_path, keep=3, log=warnings.append) as ckpts:
+        restored = ckpts.restore_latest(params, _OPT)
+    assert restored.step == 1 and restored.meta["rng"] == [0, 1]
+    assert len(warnings) == 1 and "step 2" in warnings[0] and "damaged" in warnings[0]
+
+
 def test_a_resume_sets_a_damaged_latest_aside_so_that_its_step_is_saved_again(tmp_path, params):
     with Checkpoints(tmp_path, keep=3) as ckpts:
         ckpts.save(1, _shifted(params, 1), _OPT, {"rng": [0, 1]})

@@ -555,10 +555,13 @@ class Checkpoints:
         Args:
           step: a checkpoint step.
           params_like: a parameter pytree (arrays or ShapeDtypeStructs) of the current model.
+
+        Raises:
+          CheckpointError: the shapes differ (not checked where the checkpoint's parameter
+            metadata is missing: the restore finds out whether the parameters are there).
         """
-        with _quiet_orbax():
-            saved = self._manager.item_metadata(step)["params"]
-        difference = shape_difference(getattr(saved, "tree", saved), params_like)
+        saved = self._saved_tree(step, "params")
+        difference = saved is not None and shape_difference(saved, params_like)
         if difference:
             name, there, now = difference
             raise CheckpointError(
@@ -567,29 +570,63 @@ class Checkpoints:
                 f"the workdir's {CONFIG_FILE} or use a new --workdir"
             )
 
-    def restore(self, step: int, params_like: PyTree, opt_state_like: PyTree) -> TrainCheckpoint:
+    def _saved_tree(self, step: int, item: str) -> PyTree | None:
+        """The metadata tree (shapes, no values) of one item of `step`, or None where its
+        metadata file is missing (the restore itself then says whether the item is whole)."""
+        with _quiet_orbax():
+            saved = self._manager.item_metadata(step)[item]
+        tree = getattr(saved, "tree", saved)
+        return tree if jax.tree_util.tree_leaves(tree) else None
+
+    def restore(
+        self,
+        step: int,
+        params_like: PyTree,
+        opt_state_like: PyTree,
+        other_opt_states: Sequence[tuple[PyTree, Callable[[PyTree], PyTree]]] = (),
+    ) -> TrainCheckpoint:
         """Restores one training checkpoint onto the structure of the given templates.
 
         Args:
           step: the step to restore.
           params_like: parameter pytree of the right structure (host values).
           opt_state_like: optimizer state pytree of the right structure.
+          other_opt_states: other forms the optimizer state may have been saved in
+            (by other training settings), each with the function that turns it into
+            the form of `opt_state_like`; the form whose leaves the checkpoint has is
+            restored.
 
         Returns:
           The checkpoint, with host numpy arrays.
 
         Raises:
-          CheckpointError: the shapes do not match the current model.
+          CheckpointError: the shapes do not match the current model, or the optimizer
+            state is of none of the given forms.
           Exception: whatever Orbax raises for an unreadable checkpoint.
         """
         self.check_compatible(step, params_like)
+        saved = self._saved_tree(step, "opt_state")
+        forms = [(opt_state_like, lambda state: state), *other_opt_states]
+        if saved is not None:
+            forms = [form for form in forms if tree_shapes(form[0]) == tree_shapes(saved)]
+        if not forms:
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} holds an optimizer state of "
+                "another form than these training settings make; resume with the settings "
+                f"in the workdir's {CONFIG_FILE} or use a new --workdir"
+            )
+        template, to_this_form = forms[0]
         args = ocp.args.Composite(
             params=ocp.args.StandardRestore(params_like),
-            opt_state=ocp.args.StandardRestore(opt_state_like),
+            opt_state=ocp.args.StandardRestore(template),
             meta=ocp.args.JsonRestore(),
         )
         restored = self._read(step, args)
-        return TrainCheckpoint(step, restored["params"], restored["opt_state"], restored["meta"])
+        meta = restored["meta"]
+        if not isinstance(meta, dict) or "rng" not in meta:  # valid JSON, but not our meta
+            raise ValueError(f"its meta item has no RNG key: {str(meta)[:80]}")
+        opt_state = to_this_form(restored["opt_state"])
+        return TrainCheckpoint(step, restored["params"], opt_state, meta)
 
     def _read(self, step: int, args: Any) -> Any:
         """Orbax's restore of `step` (the late reads of a failed one are silenced since
@@ -597,7 +634,12 @@ class Checkpoints:
         with _quiet_orbax():
             return self._manager.restore(step, args=args)
 
-    def restore_latest(self, params_like: PyTree, opt_state_like: PyTree) -> TrainCheckpoint | None:
+    def restore_latest(
+        self,
+        params_like: PyTree,
+        opt_state_like: PyTree,
+        other_opt_states: Sequence[tuple[PyTree, Callable[[PyTree], PyTree]]] = (),
+    ) -> TrainCheckpoint | None:
         """Restores the newest readable checkpoint, skipping (and reporting) damaged ones.
 
         Once an older one is restored, the damaged newer ones are renamed to
@@ -608,6 +650,7 @@ class Checkpoints:
         Args:
           params_like: parameter pytree of the right structure.
           opt_state_like: optimizer state pytree of the right structure.
+          other_opt_states: as for `restore`.
 
         Returns:
           The checkpoint, or None when there is none to resume from.
@@ -620,7 +663,7 @@ class Checkpoints:
         damaged: list[_Unreadable] = []
         for step in reversed(steps):
             try:
-                restored = self.restore(step, params_like, opt_state_like)
+                restored = self.restore(step, params_like, opt_state_like, other_opt_states)
             except CheckpointError:
                 raise
             except Exception as e:  # noqa: BLE001 - any read failure means "damaged"

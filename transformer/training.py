@@ -268,6 +268,18 @@ def make_optimizer(config: TrainConfig, d_model: int) -> optax.GradientTransform
     return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adam)
 
 
+def _other_clipping_form(
+    opt_state: optax.OptState, clipping: bool
+) -> tuple[optax.OptState, Callable[[optax.OptState], optax.OptState]]:
+    """The `make_optimizer` state as the other grad_clip_norm setting (on or off) makes it,
+    and the function that turns that form into `opt_state`'s. Clipping is stateless, so a
+    run can turn it on when it resumes (as the advice after a non-finite loss says) or off.
+    """
+    if clipping:  # (clip's EmptyState, Adam's state), against Adam's state alone
+        return opt_state[1], lambda adam: (optax.EmptyState(), adam)
+    return (optax.EmptyState(), opt_state), lambda chained: chained[1]
+
+
 def label_smoothed_cross_entropy(
     logits_BTV: jax.Array, targets_BT: jax.Array, pad_id: int, smoothing: float
 ) -> tuple[jax.Array, jax.Array]:
@@ -820,7 +832,11 @@ class Trainer:
           CheckpointError: the checkpoints belong to another model config, or all are damaged.
         """
         fresh = create_train_state(self.model, self.optimizer, self.config.seed)
-        restored = self.checkpoints.restore_latest(fresh.params, fresh.opt_state)
+        restored = self.checkpoints.restore_latest(
+            fresh.params,
+            fresh.opt_state,
+            [_other_clipping_form(fresh.opt_state, self.config.grad_clip_norm is not None)],
+        )
         if restored is None:
             host_state = fresh
         else:
