@@ -3,6 +3,7 @@ and the software record of a run."""
 
 import contextlib
 import importlib.util
+import json
 import shutil
 import subprocess
 import sys
@@ -334,6 +335,40 @@ def test_late_reads_are_dropped_from_before_a_read_starts(tmp_path, params, monk
             read()
         assert filter_on_at_read and all(filter_on_at_read)
         filter_on_at_read.clear()
+
+
+def test_an_average_past_the_kept_last_checkpoints_is_refused(tmp_path, params):
+    # keep 2, the best at step 2: "--average-last 3" was the average of 2, 12 and 14.
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model": {}, "train": {"keep_checkpoints": 2}})
+    )
+    with Checkpoints(tmp_path, keep=2) as ckpts:
+        for step, bleu in ((2, 30.0), (4, 1.0), (12, 10.0), (14, 11.0)):
+            ckpts.save(step, _shifted(params, step), _OPT, {}, val_bleu=bleu)
+    assert checkpoint_steps(tmp_path) == [2, 12, 14]
+    assert restore_last(tmp_path, 2)[1] == [12, 14]
+    with pytest.raises(CheckpointError) as info:
+        restore_last(tmp_path, 3)
+    assert str(info.value) == (
+        f"cannot average the last 3 checkpoints of {tmp_path}: the run keeps its last 2 "
+        "(12, 14), and 2 only as its best; average at most 2, or evaluate the best with "
+        "--checkpoint best"
+    )
+
+
+def test_checkpoints_of_different_shapes_are_not_averaged(tmp_path, params):
+    # A step folder of another model copied in: a NumPy broadcasting traceback before.
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(1, params, _OPT, {})
+        wider = jax.tree.map(lambda x: np.concatenate([x, x], axis=-1), params)
+        ckpts.save(2, wider, _OPT, {})
+    with pytest.raises(CheckpointError) as info:
+        restore_last(tmp_path, 2)
+    message = str(info.value)
+    assert message.startswith(f"cannot average checkpoints 1 and 2 of {tmp_path}: parameter ")
+    assert message.endswith(
+        "(a checkpoint of another model); evaluate them one by one with --checkpoint STEP"
+    )
 
 
 def test_restore_last_reads_the_newest_k_in_order_and_refuses_what_it_cannot_average(

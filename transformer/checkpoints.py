@@ -899,8 +899,9 @@ def restore_last(
 
     Raises:
       ValueError: `k` is below 1.
-      CheckpointError: no checkpoint directory, fewer than `k` checkpoints, or
-        one cannot be read.
+      CheckpointError: no checkpoint directory, fewer than `k` checkpoints, more than
+        the run keeps of its last ones (the rest is its best, from before them), one
+        that cannot be read, or parameters of different shapes.
     """
     if k < 1:
         raise ValueError(f"k, the number of checkpoints to read, must be at least 1; got {k!r}")
@@ -912,15 +913,44 @@ def restore_last(
                 f"cannot average the last {k} checkpoints: {workdir} has "
                 f"{len(steps)} ({', '.join(map(str, steps)) or 'none'})"
             )
+        keep = _kept_last(workdir)
+        if keep is not None and keep < k and len(steps) > keep:
+            # The run keeps its last `keep` and its best: an older one is that best, and
+            # with it the average would reach back past the checkpoints deleted between.
+            older = ", ".join(map(str, steps[:-keep]))
+            raise CheckpointError(
+                f"cannot average the last {k} checkpoints of {workdir}: the run keeps its "
+                f"last {keep} ({', '.join(map(str, steps[-keep:]))}), and {older} only as "
+                f"its best; average at most {keep}, or evaluate the best with --checkpoint best"
+            )
         chosen = steps[-k:]
         try:
-            return [_read_params(ckpts, step) for step in chosen], chosen
+            trees = [_read_params(ckpts, step) for step in chosen]
         except _Unreadable as e:
             raise CheckpointError(
                 f"{e}; an average of the last {k} needs every one of them: resume training "
                 "(train.py sets a damaged newest checkpoint aside), or evaluate others "
                 "(evaluate.py --checkpoint STEP, or --average-last K)"
             ) from None
+    for step, tree in zip(chosen[1:], trees[1:], strict=True):
+        difference = shape_difference(tree, trees[0])
+        if difference:
+            name, there, first = difference
+            raise CheckpointError(
+                f"cannot average checkpoints {chosen[0]} and {step} of {workdir}: parameter "
+                f"{name} is {first} in {chosen[0]} but {there} in {step} (a checkpoint of "
+                "another model); evaluate them one by one with --checkpoint STEP"
+            )
+    return trees, chosen
+
+
+def _kept_last(workdir: str | os.PathLike) -> int | None:
+    """The run's keep_checkpoints, from its config.json; None where that does not say."""
+    try:
+        keep = (load_run_config(workdir).get("train") or {}).get("keep_checkpoints")
+    except CheckpointError:
+        return None
+    return keep if isinstance(keep, int) and keep >= 1 else None
 
 
 def average_params(params_list: Sequence[PyTree]) -> PyTree:
