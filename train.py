@@ -1043,7 +1043,7 @@ def run_settings(args: argparse.Namespace, log) -> RunSettings:
         check_resume_matches(
             workdir, {"train": {"seed": saved_seed}}, "train", {"seed": train_cfg.seed}
         )
-    max_len = args.max_len or (saved["model"]["max_len"] if saved else None)
+    max_len = args.max_len or (saved["model"].get("max_len") if saved else None)
     if max_len is None:
         from transformer import TransformerConfig
 

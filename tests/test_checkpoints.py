@@ -337,6 +337,28 @@ def test_late_reads_are_dropped_from_before_a_read_starts(tmp_path, params, monk
         filter_on_at_read.clear()
 
 
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"train": 5}, "its 'train' section is 5, not an object"),
+        ({"model": [1]}, "its 'model' section is [1], not an object"),
+        ({"data": "x"}, "its 'data' section is \"x\", not an object"),
+        ({"environments": {}}, "its 'environments' is not a list of objects"),
+        ({"environments": ["x"]}, "its 'environments' is not a list of objects"),
+    ],
+)
+def test_a_run_config_of_wrong_types_is_one_line(tmp_path, edit, message):
+    # Each was a traceback (AttributeError, TypeError) somewhere in train.py or evaluate.py.
+    config = {"model": {"d_model": 32}, "data": {}, "train": {}, "environments": [], **edit}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as info:
+        load_run_config(tmp_path)
+    assert str(info.value) == (
+        f"{tmp_path / 'config.json'}: {message}; it was edited or damaged: restore the one its "
+        "run wrote"
+    )
+
+
 def test_an_average_past_the_kept_last_checkpoints_is_refused(tmp_path, params):
     # keep 2, the best at step 2: "--average-last 3" was the average of 2, 12 and 14.
     (tmp_path / "config.json").write_text(

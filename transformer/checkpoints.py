@@ -274,6 +274,16 @@ def load_run_config(workdir: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not valid JSON ({e}); restore it or retrain") from None
     if not isinstance(config, dict) or "model" not in config:
         raise CheckpointError(f"{path} has no 'model' section; is it a config written by train.py?")
+    restore = "it was edited or damaged: restore the one its run wrote"
+    for section in ("model", "data", "train"):
+        if section in config and not isinstance(config[section], dict):
+            there = json.dumps(config[section])[:40]
+            raise CheckpointError(
+                f"{path}: its {section!r} section is {there}, not an object; {restore}"
+            )
+    environments = config.get("environments", [])
+    if not isinstance(environments, list) or not all(isinstance(e, dict) for e in environments):
+        raise CheckpointError(f"{path}: its 'environments' is not a list of objects; {restore}")
     return config
 
 
