@@ -145,6 +145,22 @@ def test_best_falls_back_to_last_without_scores(tmp_path, params):
     assert restore_params(tmp_path)[1] == 20
 
 
+def test_the_folder_of_a_killed_save_is_removed_by_the_next_run_only(tmp_path, params):
+    # A save killed at a step off the schedule (a SIGKILL after a SIGTERM's save) left a
+    # folder of the checkpoint's size that no later save replaced.
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(2, params, _OPT, {"rng": [0, 2]})
+    killed = tmp_path / "checkpoints" / "7.orbax-checkpoint-tmp-1795764765"
+    (killed / "params").mkdir(parents=True)
+    (killed / "params" / "d").write_bytes(b"half")
+    restore_params(tmp_path, "last")  # evaluation never writes
+    assert killed.exists()
+    with Checkpoints(tmp_path, keep=3) as ckpts:  # a resume: it removes it by its next save
+        assert ckpts.steps() == [2]
+        ckpts.save(4, params, _OPT, {"rng": [0, 4]})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "4"]
+
+
 def test_damaged_latest_is_reported_and_the_one_before_used(tmp_path, params):
     with Checkpoints(tmp_path, keep=3) as ckpts:
         ckpts.save(1, _shifted(params, 1), _OPT, {"rng": [0, 1]})

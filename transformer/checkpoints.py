@@ -501,6 +501,9 @@ class Checkpoints:
                 enable_async_checkpointing=async_save and not read_only,
                 read_only=read_only,
                 create=not read_only,
+                # A save killed outside the schedule (SIGKILL after a SIGTERM's save) left
+                # its temporary folder for ever: no later save of that step replaced it.
+                cleanup_tmp_directories=not read_only,
                 step_name_format=_STEP_NAME_FORMAT,
             )
             self._manager = ocp.CheckpointManager(
