@@ -103,6 +103,17 @@ def test_an_unusable_directory_warns_and_compiles_without_a_cache(tmp_path):
     assert len(warnings) == 1 and str(blocker / "xla") in warnings[0]
 
 
+@pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="needs Linux's /sys")
+def test_a_directory_that_cannot_be_written_to_warns_once(capsys):
+    # There and a directory, so it passed; JAX then warned twice for each program compiled.
+    warnings = []
+    with persistent_compilation_cache("/sys/kernel", warn=warnings.append) as path:
+        assert path is None
+        assert jax.jit(_program)(jnp.ones((3, 3))).shape == (3,)
+    assert len(warnings) == 1 and warnings[0].startswith("warning: cannot use /sys/kernel ")
+    assert capsys.readouterr().err == ""
+
+
 def test_train_py_warns_of_an_unusable_directory_on_stderr_and_trains(
     tmp_path, multi30k_slice, capsys
 ):

@@ -20,6 +20,7 @@ import contextlib
 import os
 import queue
 import sys
+import tempfile
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -72,8 +73,8 @@ def persistent_compilation_cache(
     Args:
       directory: the cache directory (created if missing); None: `default_cache_dir()`.
       enabled: False for no cache at all (`--no-compilation-cache`).
-      warn: called with a one-line message when the directory cannot be created (default:
-        printed to stderr); the block then runs without a cache.
+      warn: called with a one-line message when the directory cannot be created or
+        written to (default: printed to stderr); the block then runs without a cache.
 
     Yields:
       The cache directory in use, or None. On exit the previous setting is restored, so a
@@ -90,6 +91,10 @@ def persistent_compilation_cache(
         path = Path(directory if directory is not None else default_cache_dir()).expanduser()
         try:
             path.mkdir(parents=True, exist_ok=True)
+            # A folder there that this user cannot write to: JAX would warn twice for each
+            # program it compiled.
+            with tempfile.TemporaryFile(dir=path):
+                pass
         except OSError as e:
             (warn or _print_to_stderr)(
                 f"warning: cannot use {path} for compiled programs ({e}); compiling without it"
