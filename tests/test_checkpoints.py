@@ -145,6 +145,30 @@ def test_best_falls_back_to_last_without_scores(tmp_path, params):
     assert restore_params(tmp_path)[1] == 20
 
 
+@pytest.mark.parametrize("damage", ["", "{", "[1]"])
+def test_a_damaged_metrics_file_is_one_line_naming_the_bleu_to_write_back(tmp_path, params, damage):
+    # Orbax reads every step's metrics when it opens the folder: a damaged one was a
+    # JSONDecodeError traceback for evaluate.py (any --checkpoint) and train.py alike.
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(2, params, _OPT, {"rng": [0, 2]}, val_bleu=30.5)
+        ckpts.save(4, params, _OPT, {"rng": [0, 4]}, val_bleu=20.0)
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 2, "elapsed_s": 1.0, "val_loss": 3.0, "val_bleu": 30.5}\n{"step": 4, "lo'
+    )
+    path = tmp_path / "checkpoints" / "2" / "metrics" / "metrics"
+    path.write_text(damage)
+    for read_only in (True, False):
+        with pytest.raises(CheckpointError) as info:
+            Checkpoints(tmp_path, read_only=read_only)
+        assert str(info.value) == (
+            f"checkpoint step 2 in {tmp_path / 'checkpoints'} has a damaged metrics file, "
+            f'{path}; write {{"val_bleu": 30.5}} (the BLEU metrics.jsonl logged there) into it '
+            "and run the same command again"
+        )
+    path.write_text('{"val_bleu": 30.5}')  # as it says
+    assert restore_params(tmp_path, "best")[1] == 2
+
+
 def test_the_folder_of_a_killed_save_is_removed_by_the_next_run_only(tmp_path, params):
     # A save killed at a step off the schedule (a SIGKILL after a SIGTERM's save) left a
     # folder of the checkpoint's size that no later save replaced.

@@ -487,6 +487,7 @@ class Checkpoints:
             raise CheckpointError(
                 f"no checkpoints in {Path(workdir)} ({self.directory} is missing)"
             )
+        _check_metrics_files(workdir, self.directory)
         # Registering the handlers up front lets `item_metadata` read shapes before any restore.
         handlers = {
             "params": ocp.StandardCheckpointHandler(),
@@ -744,6 +745,58 @@ class Checkpoints:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_metrics_files(workdir: str | os.PathLike, directory: Path) -> None:
+    """A one-line CheckpointError where a checkpoint's metrics file (its validation BLEU)
+    is not a JSON object: Orbax reads every one of them when it opens the folder, and a
+    damaged one was a JSONDecodeError traceback for every command on the run."""
+    if not directory.is_dir():
+        return
+    for step in directory.iterdir():
+        path = step / "metrics" / "metrics"
+        if not step.name.isdigit() or not path.is_file():
+            continue
+        try:
+            if isinstance(json.loads(path.read_text(encoding="utf-8")), dict):
+                continue
+        except (OSError, ValueError):
+            pass
+        try:
+            records = metrics_records(Path(workdir) / METRICS_FILE)
+        except OSError:
+            records = []
+        logged = [
+            r[BEST_METRIC] for r in records if r["step"] == int(step.name) and BEST_METRIC in r
+        ]
+        if logged:
+            fix = f'{{"{BEST_METRIC}": {logged[-1]}}} (the BLEU metrics.jsonl logged there)'
+        else:
+            fix = "{} (metrics.jsonl logged no BLEU there)"
+        raise CheckpointError(
+            f"checkpoint step {step.name} in {directory} has a damaged metrics file, {path}; "
+            f"write {fix} into it and run the same command again"
+        )
+
+
+def metrics_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file, in order, skipping lines that are not one.
+
+    A run killed while appending leaves its last line torn
+    (`{"step": 31, "elapsed_s": 12.3, "lo`); such a line is no record.
+
+    Raises:
+      OSError: the file cannot be read.
+    """
+    records = []
+    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
 
 
 def _first_line(e: BaseException, limit: int = 200) -> str:

@@ -44,7 +44,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from transformer.checkpoints import METRICS_FILE, CheckpointError, Checkpoints
+from transformer.checkpoints import METRICS_FILE, CheckpointError, Checkpoints, metrics_records
 from transformer.config import TransformerConfig
 from transformer.model import Transformer
 
@@ -666,29 +666,12 @@ class MetricsLog:
             raise
 
 
-def _read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl file, in order, skipping lines that are not one.
-
-    A run killed while appending leaves its last line torn
-    (`{"step": 31, "elapsed_s": 12.3, "lo`); such a line is no record.
-    """
-    records = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            records.append(record)
-    return records
-
-
 def truncate_metrics(path: str | os.PathLike, last_step: int) -> list[dict[str, Any]]:
     """Rewrites a metrics.jsonl file with its records up to `last_step` only (a resume's or
     a fork's), and returns them. A new file is renamed over the old one, so a failure while
     writing loses no record."""
     path = Path(path)
-    kept = [r for r in _read_records(path) if r["step"] <= last_step]
+    kept = [r for r in metrics_records(path) if r["step"] <= last_step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
     os.replace(tmp, path)
@@ -700,7 +683,7 @@ def read_metrics(workdir: str | os.PathLike) -> list[dict[str, float]]:
     path = Path(workdir) / METRICS_FILE
     if not path.exists():
         return []
-    return _read_records(path)
+    return metrics_records(path)
 
 
 # ----------------------------------------------------------------------------- the loop
