@@ -65,3 +65,7 @@ def test_rejects_a_rate_outside_0_1_or_rounding_to_1():
             dropout(jnp.ones(4), rate, jax.random.key(0))
     kept = dropout(jnp.ones(4096), 0.997, jax.random.key(0))  # 255/256: the largest rate
     assert np.isfinite(kept).all() and 0 < np.count_nonzero(kept) < 64
+    # The edge the message names: 255.5/256 rounds (to even) to 256/256, just below it to 255.
+    dropout(jnp.ones(4), np.nextafter(255.5 / 256, 0), jax.random.key(0))
+    with pytest.raises(ValueError, match=r"below 255\.5/256 \(about 0\.99805\)"):
+        dropout(jnp.ones(4), 255.5 / 256, jax.random.key(0))

@@ -31,11 +31,12 @@ def quantized_rate(rate: float) -> float:
 
 
 def check_rate(rate: float, name: str = "dropout rate") -> None:
-    """Raises ValueError unless `rate` is in [0, 1) and does not round to 1 (from 0.998 on)."""
+    """Raises ValueError unless `rate` is in [0, 1) and does not round to 1 (255.5/256, about
+    0.99805, and above)."""
     if not 0.0 <= rate < 1.0 or quantized_rate(rate) >= 1.0:
         raise ValueError(
-            f"{name} must be in [0, 1) and below 0.998, which the 1/256 steps of dropout "
-            f"round to 1; got {rate}"
+            f"{name} must be in [0, 1) and below 255.5/256 (about 0.99805), which the 1/256 "
+            f"steps of dropout round to 1; got {rate}"
         )
 
 
@@ -44,7 +45,7 @@ def dropout(x: jax.Array, rate: float, rng: jax.Array) -> jax.Array:
 
     Args:
       x: any array.
-      rate: drop probability in [0, 1), below 0.998 (see `check_rate`).
+      rate: drop probability in [0, 1), below 255.5/256 (see `check_rate`).
       rng: a PRNG key.
 
     Returns:
