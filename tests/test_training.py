@@ -5,6 +5,7 @@ import json
 import math
 import pathlib
 import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -255,15 +256,21 @@ def test_a_tiny_set_can_be_overfit(tiny_setup, tmp_path):
     assert checkpoint_steps(tmp_path) == [100]
 
 
-def test_an_overflowed_gradient_with_a_finite_loss_is_not_saved(tiny_setup, tmp_path):
-    # A step whose loss is finite but whose gradient overflowed leaves NaN parameters.
-    # Checked by its loss alone, step 8 (a checkpoint step, the last) was saved so.
+def _eight_step_trainer(tiny_setup, tmp_path) -> tuple[Trainer, Any]:
+    """A Trainer of 8 steps, logging and saving every 4, and its batcher, ready to run."""
     tokenizer, encoded, model_config = tiny_setup
     config = TrainConfig(steps=8, log_every=4, eval_every=0, checkpoint_every=4, **_RECIPE)
     trainer = Trainer(model_config, config, tmp_path, pad_id=tokenizer.pad_id, progress=False)
     batcher = _batcher(tokenizer, encoded)
     trainer.restore_or_init(batcher)
     trainer.open_metrics()
+    return trainer, batcher
+
+
+def test_an_overflowed_gradient_with_a_finite_loss_is_not_saved(tiny_setup, tmp_path):
+    # A step whose loss is finite but whose gradient overflowed leaves NaN parameters.
+    # Checked by its loss alone, step 8 (a checkpoint step, the last) was saved so.
+    trainer, batcher = _eight_step_trainer(tiny_setup, tmp_path)
     train = trainer._train
 
     def overflowing(state, batch):  # what an inf in the backward pass does at step 8
@@ -288,12 +295,7 @@ def test_an_overflowed_gradient_with_a_finite_loss_is_not_saved(tiny_setup, tmp_
 def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(
     tiny_setup, tmp_path
 ):
-    tokenizer, encoded, model_config = tiny_setup
-    config = TrainConfig(steps=8, log_every=4, eval_every=0, checkpoint_every=4, **_RECIPE)
-    trainer = Trainer(model_config, config, tmp_path, pad_id=tokenizer.pad_id, progress=False)
-    batcher = _batcher(tokenizer, encoded)
-    trainer.restore_or_init(batcher)
-    trainer.open_metrics()
+    trainer, batcher = _eight_step_trainer(tiny_setup, tmp_path)
     trainer.run(with_data_state(batcher), 4)
     good = unreplicate(trainer.state.params)
     # Poison the parameters: step 5 computes a NaN loss.
