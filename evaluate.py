@@ -59,6 +59,7 @@ from transformer.translate import (
 
 STDOUT = "-"  # --output's name for standard output
 DEFAULT_BEAM, DEFAULT_ALPHA = 5, 1.25
+DEFAULT_MAX_EXTRA_LEN, DEFAULT_MAX_TOKENS, DEFAULT_PLOT_DIR = 50, 4096, "attention_plots"
 
 
 def _output_file(args: argparse.Namespace) -> str | None:
@@ -136,20 +137,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     search.add_argument(
         "--max-extra-len",
         type=int,
-        default=50,
+        default=DEFAULT_MAX_EXTRA_LEN,
         help="outputs have at most (source length + this) tokens",
     )
     search.add_argument(
         "--max-tokens",
         type=int,
-        default=4096,
+        default=DEFAULT_MAX_TOKENS,
         help="most padded source tokens per decoding batch (a longer sentence is decoded alone)",
     )
     plots = p.add_argument_group("attention pictures")
     plots.add_argument(
         "--plot-attention", type=int, default=0, metavar="N", help="plot the first N sentences"
     )
-    plots.add_argument("--plot-dir", default="attention_plots", help="where to write the PNGs")
+    plots.add_argument("--plot-dir", default=DEFAULT_PLOT_DIR, help="where to write the PNGs")
     plots.add_argument("--plot-heads", action="store_true", help="also a per-head grid per layer")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
@@ -167,6 +168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.greedy and (hasattr(args, "beam") or hasattr(args, "alpha")):
         p.error("--greedy searches without a beam: drop --beam and --alpha, or --greedy")
+    # Which were given, for the flags --plot-curve refuses: their defaults fill them in next.
+    args.beam_flags = [f"--{name}" for name in ("beam", "alpha") if hasattr(args, name)]
     args.beam, args.alpha = (
         getattr(args, "beam", DEFAULT_BEAM),
         getattr(args, "alpha", DEFAULT_ALPHA),
@@ -190,6 +193,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if sum(modes) != 1:
         raise UsageError("choose exactly one of --split, --src-file, --translate or --plot-curve")
     if args.plot_curve:
+        # Flags that decode or draw attention, given (or set off their defaults).
         given = [
             flag
             for flag, value in (
@@ -197,9 +201,14 @@ def _check_args(args: argparse.Namespace) -> None:
                 ("--checkpoint", args.checkpoint),
                 ("--average-last", args.average_last),
                 ("--plot-attention", args.plot_attention),
+                ("--greedy", args.greedy),
+                ("--max-extra-len", args.max_extra_len != DEFAULT_MAX_EXTRA_LEN),
+                ("--max-tokens", args.max_tokens != DEFAULT_MAX_TOKENS),
+                ("--plot-dir", args.plot_dir != DEFAULT_PLOT_DIR),
+                ("--plot-heads", args.plot_heads),
             )
             if value
-        ]
+        ] + getattr(args, "beam_flags", [])
         if given:
             raise UsageError(f"--plot-curve only draws the training curve: drop {given[0]}")
     if args.ref_file and not args.src_file:

@@ -12,9 +12,10 @@ again may change the training schedule (e.g. more --steps) and where the data is
 read from (--data-dir, where it has moved), but not the model or the data.
 
 Exit status: 0 when done or interrupted (SIGINT, SIGTERM or SIGHUP save a
-checkpoint first), 1 when the loss became non-finite or a write failed during
-training (a full disk), 2 for bad flags, data or workdir, 128 + the signal (130,
-143, 129) when stopped before training started.
+checkpoint first), 1 when the loss became non-finite, memory ran out, or a write
+or other system call failed (a full disk, a --workdir name too long), 2 for bad
+flags, data or workdir, 128 + the signal (130, 143, 129) when stopped before
+training started.
 """
 
 from __future__ import annotations
@@ -123,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "Flags left out take the workdir's saved settings when resuming, else the defaults "
-            "shown. Exit status: 0 done or interrupted, 1 non-finite loss or a failed write "
-            "while training, 2 bad input, 130, 143 or 129 stopped before training."
+            "shown. Exit status: 0 done or interrupted, 1 non-finite loss, out of memory or a "
+            "failed write or system call, 2 bad input, 130, 143 or 129 stopped before training."
         ),
         # Defaults are written into each help as [value]: a left-out flag takes the
         # workdir's saved setting when resuming, so argparse's own defaults are all None.

@@ -577,6 +577,13 @@ def test_output_onto_the_runs_own_files_is_refused_before_decoding(
         (["--checkpoint", "3"], "drop --checkpoint"),
         (["--average-last", "2"], "drop --average-last"),
         (["--plot-attention", "2"], "drop --plot-attention"),
+        (["--beam", "3"], "drop --beam"),
+        (["--alpha", "0.6"], "drop --alpha"),
+        (["--greedy"], "drop --greedy"),
+        (["--max-tokens", "100"], "drop --max-tokens"),
+        (["--max-extra-len", "9"], "drop --max-extra-len"),
+        (["--plot-dir", "x"], "drop --plot-dir"),
+        (["--plot-heads"], "drop --plot-heads"),
     ],
 )
 def test_flags_the_curve_does_not_use_are_refused_not_ignored(flags, message, tmp_path, capsys):
