@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
 from transformer import Transformer, TransformerConfig
 from transformer.decoding import beam_search, greedy_search, length_penalty
@@ -230,6 +231,43 @@ def test_full_width_beam_is_exhaustive_search(alpha):
         not np.array_equal(np.asarray(greedy[b, : limits[b]]), best)
         for b, (best, _) in enumerate(exhaustive)
     )
+
+
+class _EndNowOrLater(nn.Module):
+    """A decoder that ends at once with P 0.6, or takes word 3 (P 0.4) and then, surely,
+    four more before ending: a longer output that the length penalty favours."""
+
+    def encode(self, src):
+        return jnp.zeros((*src.shape, 1))
+
+    def decode(self, encoded, src, tgt, decode=False):
+        position, token = jnp.arange(tgt.shape[1])[None, :, None], jnp.arange(5)[None, None]
+        never = -1e9
+        first = jnp.where(token == EOS, np.log(0.6), jnp.where(token == 3, np.log(0.4), never))
+        then = jnp.where(token == 3, 0.0, never)
+        last = jnp.where(token == EOS, 0.0, never)
+        logits = jnp.where(position == 0, first, jnp.where(position < 5, then, last))
+        return jnp.broadcast_to(logits, (*tgt.shape, 5))
+
+    def __call__(self, src, tgt):
+        return self.decode(self.encode(src), src, tgt)
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_the_early_stop_waits_for_outputs_the_length_penalty_may_favour(beam_size):
+    # After step 1 the ended "</s>" scores log 0.6 = -0.51, and the alive "3" has log 0.4
+    # = -0.92: divided by the penalty of its next length only, 1.36, it looks unable to
+    # win (-0.67), but "3 3 3 3 3 </s>" scores -0.92 / 3.36 = -0.27. A bound that forgot
+    # the longer lengths up to the limit stopped with "</s>" (the exhaustive search test
+    # did not notice: its outputs are at most 4 tokens long).
+    src = jnp.array([[3, 3, 2]], jnp.int32)
+    tokens, scores = beam_search(
+        _EndNowOrLater(), {}, src, bos_id=BOS, eos_id=EOS, pad_id=PAD,
+        beam_size=beam_size, alpha=2.0, max_extra_len=7, use_cache=False,
+    )  # fmt: skip
+    assert np.asarray(tokens)[0, :6].tolist() == [3, 3, 3, 3, 3, EOS]
+    expected = np.log(0.4) / ((5 + 6) / 6) ** 2
+    assert float(scores[0]) == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks XLA:CPU's lowering")
