@@ -214,11 +214,19 @@ def test_sources_longer_than_max_len_are_translated_whole_with_a_warning(workdir
     hyp = tmp_path / "hyp.de"
     argv = ["--workdir", workdir, "--src-file", src, "--greedy", *FAST[2:], "--output", hyp]
     code, _, err = _run(argv, capsys)
-    assert code == 0 and len(hyp.read_text(encoding="utf-8").splitlines()) == 2
+    hypotheses = hyp.read_text(encoding="utf-8").splitlines()
+    assert code == 0 and len(hypotheses) == 2
     [warning] = [line for line in err.splitlines() if line.startswith("warning: ")]
     assert warning.startswith(
         "warning: source lines longer than the model's max_len of 64 tokens: 1 ("
     )
+    # Whole: as the library translates the full line (cut to max_len, it came out shorter).
+    run = translate.load_run(workdir)
+    long_line = src.read_text(encoding="utf-8").splitlines()[1]
+    whole = translate.translate(
+        run.model, run.params, run.tokenizer, [long_line], greedy=True, max_extra_len=4
+    )
+    assert hypotheses[1] == whole[0]
 
 
 def test_ctrl_c_while_decoding_is_one_line_exit_130_and_no_output(
