@@ -40,6 +40,10 @@ def test_batching_and_order_do_not_change_translations(setup):
     assert many_batches == one_batch
     reversed_input = translate(model, params, tokenizer, sentences[::-1], max_tokens=4096, **kw)
     assert reversed_input[::-1] == one_batch
+    # Each in its own place: the translation of that sentence alone (the two checks above
+    # would pass outputs given back in reverse).
+    for i in (0, 4, 11):
+        assert one_batch[i] == translate(model, params, tokenizer, [sentences[i]], **kw)[0]
 
 
 def test_no_decoded_batch_exceeds_max_tokens(setup, monkeypatch):
@@ -90,10 +94,11 @@ def test_translation_is_the_detokenized_search_output(setup):
 
 def test_empty_and_blank_lines_give_empty_outputs(setup):
     model, params, tokenizer, sentences = setup
-    lines = ["", sentences[0], "   ", "\t", sentences[1], ""]
-    out = translate(model, params, tokenizer, lines, beam_size=2, max_extra_len=MAX_EXTRA_LEN)
-    assert len(out) == len(lines)
-    assert [o for o, line in zip(out, lines, strict=True) if not line.strip()] == ["", "", "", ""]
+    lines = ["", sentences[0], "   ", "\t", sentences[1]]  # not a palindrome: order shows
+    kw = dict(beam_size=2, max_extra_len=MAX_EXTRA_LEN)
+    out = translate(model, params, tokenizer, lines, **kw)
+    alone = [translate(model, params, tokenizer, [s], **kw)[0] for s in sentences[:2]]
+    assert all(alone) and out == ["", alone[0], "", "", alone[1]]
     assert translate(model, params, tokenizer, [], max_extra_len=MAX_EXTRA_LEN) == []
 
 
