@@ -569,10 +569,15 @@ def test_a_failed_write_is_one_line_that_says_how_to_resume(when, tmp_path, para
     def fail(*args, **kwargs):
         raise full
 
-    monkeypatch.setattr(ckpts._manager, "save" if when == "save" else "wait_until_finished", fail)
-    with pytest.raises(CheckpointWriteError) as info:  # a CheckpointError: train.py exits 1
+    if when == "save":
+        monkeypatch.setattr(ckpts._manager, "save", fail)
+        with pytest.raises(CheckpointWriteError) as info:  # a CheckpointError: train.py exits 1
+            ckpts.save(1, params, _OPT, {})
+    else:  # the background write fails after save() returned: found by wait() alone
         ckpts.save(1, params, _OPT, {})
-        ckpts.wait()
+        monkeypatch.setattr(ckpts._manager, "wait_until_finished", fail)
+        with pytest.raises(CheckpointWriteError) as info:
+            ckpts.wait()
     message = str(info.value)
     assert message.startswith(f"cannot write a checkpoint in {tmp_path / 'checkpoints'}: no space")
     assert message.endswith("run the same command to resume from the last checkpoint")
