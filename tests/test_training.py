@@ -14,16 +14,18 @@ import pytest
 
 import data
 from tests.make_tiny_workdir import damage_checkpoint
-from transformer import TransformerConfig
+from transformer import Transformer, TransformerConfig
 from transformer.checkpoints import checkpoint_steps, restore_params
 from transformer.training import (
     MetricsLog,
     NonFiniteLossError,
     TrainConfig,
     Trainer,
+    create_train_state,
     label_smoothed_cross_entropy,
     learning_rate_schedule,
     make_optimizer,
+    make_train_step,
     read_metrics,
     replicate,
     unreplicate,
@@ -238,6 +240,34 @@ def _batcher(tokenizer, encoded):
 
 
 _RECIPE = dict(warmup_steps=10, learning_rate_scale=0.3, label_smoothing=0.0, bleu_every=0)
+
+
+def test_the_step_loss_is_per_real_target_token_and_nll_is_unsmoothed(tiny_setup):
+    # Every other test compares runs with runs: a loss divided by source tokens, or an nll
+    # with the smoothing in it, passed them all.
+    tokenizer, encoded, model_config = tiny_setup
+    model = Transformer(model_config)
+    recipe = TrainConfig(steps=10, **{**_RECIPE, "label_smoothing": 0.1})
+    optimizer = make_optimizer(recipe, model_config.d_model)
+    state = create_train_state(model, optimizer, seed=0)
+    batch = next(iter(_batcher(tokenizer, encoded)))
+    step = make_train_step(model, optimizer, label_smoothing=0.1, pad_id=tokenizer.pad_id)
+    _, metrics = step(replicate(state), batch)
+    metrics = {k: float(v) for k, v in unreplicate(metrics).items()}
+    src, tgt_in, tgt_out = (np.concatenate(batch[k]) for k in ("src", "tgt_in", "tgt_out"))
+    logits = model.apply({"params": state.params}, src, tgt_in)
+    logits = np.asarray(logits, np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    logp -= logits.max(-1, keepdims=True)
+    real = tgt_out != tokenizer.pad_id
+    assert real.sum() != (src != tokenizer.pad_id).sum()  # the two counts tell apart
+    token_logp = np.take_along_axis(logp, tgt_out[..., None], axis=-1)[..., 0]
+    nll = -token_logp[real].sum() / real.sum()
+    smoothed = -(0.9 * token_logp + 0.1 * logp.mean(axis=-1))[real].sum() / real.sum()
+    assert metrics["num_tokens"] == real.sum()
+    assert metrics["nll"] == pytest.approx(nll, rel=1e-5)
+    assert metrics["loss"] == pytest.approx(smoothed, rel=1e-5)
+    assert abs(smoothed - nll) > 10 * 1e-5 * nll  # the two checks tell them apart
 
 
 def test_a_tiny_set_can_be_overfit(tiny_setup, tmp_path):
