@@ -270,6 +270,22 @@ def test_the_step_loss_is_per_real_target_token_and_nll_is_unsmoothed(tiny_setup
     assert abs(smoothed - nll) > 10 * 1e-5 * nll  # the two checks tell them apart
 
 
+def test_each_step_draws_its_own_dropout_masks(tiny_setup):
+    # A key folded with a constant in place of the step passed every test: one mask for
+    # the whole run. Same parameters and batch, steps 0 and 1: other masks, other losses.
+    tokenizer, encoded, model_config = tiny_setup
+    model = Transformer(model_config.replace(dropout_rate=0.3))
+    optimizer = make_optimizer(TrainConfig(steps=10, **_RECIPE), model_config.d_model)
+    state = create_train_state(model, optimizer, seed=0)
+    batch = next(iter(_batcher(tokenizer, encoded)))
+    step = make_train_step(model, optimizer, label_smoothing=0.0, pad_id=tokenizer.pad_id)
+    losses = []
+    for at in (0, 0, 1):
+        _, metrics = step(replicate(state.replace(step=np.asarray(at, np.int32))), batch)
+        losses.append(float(unreplicate(metrics)["loss"]))
+    assert losses[0] == losses[1] != losses[2]
+
+
 def test_a_tiny_set_can_be_overfit(tiny_setup, tmp_path):
     tokenizer, encoded, model_config = tiny_setup
     config = TrainConfig(steps=100, log_every=10, eval_every=0, checkpoint_every=100, **_RECIPE)
