@@ -185,6 +185,21 @@ def test_the_folder_of_a_killed_save_is_removed_by_the_next_run_only(tmp_path, p
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "4"]
 
 
+def test_a_damaged_best_falls_back_to_the_newest_readable(tmp_path, params):
+    # Documented (README: --checkpoint best); only a damaged "last" was tested.
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(1, _shifted(params, 1), _OPT, {"rng": [0, 1]}, val_bleu=30.0)
+        ckpts.save(2, _shifted(params, 2), _OPT, {"rng": [0, 2]}, val_bleu=10.0)
+        ckpts.save(3, _shifted(params, 3), _OPT, {"rng": [0, 3]})
+    assert restore_params(tmp_path, "best")[1] == 1
+    damage_checkpoint(tmp_path / "checkpoints" / "1")
+    warnings = []
+    restored, step = restore_params(tmp_path, "best", log=warnings.append)
+    assert step == 3 and len(warnings) == 1 and "step 1" in warnings[0]
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(_shifted(params, 3)), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_damaged_latest_is_reported_and_the_one_before_used(tmp_path, params):
     with Checkpoints(tmp_path, keep=3) as ckpts:
         ckpts.save(1, _shifted(params, 1), _OPT, {"rng": [0, 1]})
