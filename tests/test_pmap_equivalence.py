@@ -30,7 +30,7 @@ GLOBAL_BATCH = 8
 VOCAB = 40
 OPTIMIZERS = ("sgd", "adam")
 DEVICE_COUNTS = (1, 2, 4)
-METRICS = ("losses", "grad_norms")
+METRICS = ("losses", "grad_norms", "val")
 
 
 def _global_batches(seed: int = 0) -> list[dict[str, np.ndarray]]:
@@ -61,6 +61,8 @@ def _worker(out_dir: str) -> None:
     from transformer.training import (
         TrainConfig,
         create_train_state,
+        evaluate_loss,
+        make_eval_step,
         make_optimizer,
         make_train_step,
         replicate,
@@ -82,6 +84,14 @@ def _worker(out_dir: str) -> None:
             devices = jax.local_devices()[:num_devices]
             state = replicate(initial, devices)
             step = make_train_step(model, optimizer, label_smoothing=0.1, pad_id=0, devices=devices)
+            # The validation loss of the initial parameters over all the batches: every
+            # device's share counts (with device 0's alone it changed with the count).
+            eval_step = make_eval_step(model, label_smoothing=0.1, pad_id=0, devices=devices)
+            shards = [
+                {k: v.reshape(num_devices, -1, v.shape[1]) for k, v in batch.items()}
+                for batch in _global_batches()
+            ]
+            val = evaluate_loss(eval_step, state.params, shards)
             losses, grad_norms = [], []
             for batch in _global_batches():
                 sharded = {k: v.reshape(num_devices, -1, v.shape[1]) for k, v in batch.items()}
@@ -100,6 +110,7 @@ def _worker(out_dir: str) -> None:
                 Path(out_dir) / f"{name}_{num_devices}.npz",
                 losses=np.array(losses),
                 grad_norms=np.array(grad_norms),
+                val=np.array([val["val_loss"], val["val_nll"]]),
                 **flat,
             )
 
