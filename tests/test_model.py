@@ -53,6 +53,29 @@ def _logits_fn(model):
 LAYOUTS = [dict(), dict(pre_layer_norm=True), dict(share_embeddings=False)]
 
 
+@pytest.mark.parametrize("pre_layer_norm", [False, True])
+def test_the_residual_connection_is_the_layout_the_config_names(pre_layer_norm):
+    # Post-LN LN(x + F(x)), pre-LN x + F(LN(x)), the stacks ending with a LayerNorm in
+    # pre-LN only: a residual taken from LN(x), or no final norm, passed every other test.
+    from transformer.model import _SublayerConnection
+
+    config = _config(pre_layer_norm=pre_layer_norm)
+    x = np.random.default_rng(0).normal(2.0, 3.0, (2, 3, config.d_model)).astype(np.float32)
+    block = _SublayerConnection(config)
+    params = block.init(jax.random.key(0), x, lambda h: 2 * h + 1, False)
+    out = np.asarray(block.apply(params, x, lambda h: 2 * h + 1, False))
+
+    def norm(h):  # LayerNorm at its initial scale 1 and bias 0
+        return (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-6)
+
+    expected = x + (2 * norm(x) + 1) if pre_layer_norm else norm(x + (2 * x + 1))
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    src, tgt = _batch(np.random.default_rng(0))
+    _, model_params = _init(config, src, tgt)
+    for stack in ("encoder", "decoder"):
+        assert ("final_norm" in model_params[stack]) == pre_layer_norm, stack
+
+
 @pytest.mark.parametrize("overrides", LAYOUTS, ids=["post_ln", "pre_ln", "unshared"])
 def test_decoder_is_causal(overrides):
     """Changing target tokens after position t never changes logits at positions <= t."""
