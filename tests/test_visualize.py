@@ -150,3 +150,24 @@ def test_a_run_with_one_training_record_draws_its_point(monkeypatch):
     [line] = [line for ax in fig.axes for line in ax.lines]
     assert line.get_xydata().tolist() == [[0.2, 5.1]]
     assert line.get_marker() not in (None, "", " ", "None", "none")
+
+
+def test_a_heatmap_draws_the_mean_of_the_heads_outputs_as_rows(tmp_path, monkeypatch):
+    # Drawn transposed, or from one head under a "mean of 4 heads" title, it passed.
+    import transformer.visualize as visualize
+
+    drawn = []
+    monkeypatch.setattr(visualize, "_save_png", lambda fig, path, dpi: drawn.append(fig))
+    rng = np.random.default_rng(0)
+    src = ["\u2581Two", "\u2581dogs", "\u2581play", ".", "</s>"]
+    tgt = ["\u2581Zwei", "\u2581Hunde", "</s>"]
+    weights_HTS = rng.dirichlet(np.ones(len(src)), size=(4, len(tgt)))
+    plot_sentence_attention([weights_HTS], src, tgt, tmp_path, name="s1", heads=True)
+    mean, grid = drawn
+    [image] = mean.axes[0].images
+    np.testing.assert_allclose(np.asarray(image.get_array()), weights_HTS.mean(axis=0))
+    assert [t.get_text() for t in mean.axes[0].get_xticklabels()] == src
+    assert [t.get_text() for t in mean.axes[0].get_yticklabels()] == tgt
+    heads = [np.asarray(ax.images[0].get_array()) for ax in grid.axes if ax.images]
+    for head, weights_TS in zip(heads, weights_HTS, strict=True):
+        np.testing.assert_allclose(head, weights_TS)
