@@ -148,6 +148,12 @@ def test_attention_weights_are_a_distribution_over_unmasked_keys():
     assert (weights[0, :, :, 3:] == 0).all() and (weights[1, :, :, 0] == 0).all()
     # The output is the weighted mean of the values under those weights.
     np.testing.assert_allclose(out, np.einsum("bhqk,bkhd->bqhd", weights, v), atol=1e-5)
+    # And the weights are the paper's, softmax(Q K^T / sqrt(d_k)) over the unmasked keys
+    # (a division by d_k passed the checks above).
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(8.0)
+    scores = np.where(mask, scores, -np.inf)
+    expected = np.exp(scores - scores.max(-1, keepdims=True))
+    np.testing.assert_allclose(weights, expected / expected.sum(-1, keepdims=True), atol=1e-6)
 
 
 def test_fully_masked_query_gives_zeros_not_nan():
