@@ -383,6 +383,11 @@ def model_config(
         return TransformerConfig.preset(args.preset or DEFAULT_PRESET, **overrides)
     except ValueError as e:
         raise UsageError(f"bad model settings: {_in_flag_words(e, TransformerConfig)}") from None
+    except TypeError as e:  # a saved model section without its fields
+        raise UsageError(
+            f"the workdir's config.json has incomplete model settings ({e}); it was edited "
+            "or damaged: restore the one its run wrote"
+        ) from None
 
 
 def train_config(args: argparse.Namespace, saved: dict[str, Any] | None):

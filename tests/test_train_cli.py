@@ -456,6 +456,18 @@ def test_resuming_with_other_package_versions_warns_and_goes_on(slice_dir, tmp_p
     assert environments[0]["packages"]["jaxlib"] == "0.0.1"  # the earlier record is kept
 
 
+def test_a_run_config_with_an_emptied_model_section_is_one_line(slice_dir, tmp_path, capsys):
+    # It was a KeyError traceback, then a TypeError one.
+    assert train.main(_flags(slice_dir, tmp_path, "--steps", "4")) == 0
+    config = load_run_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model": {}}))
+    capsys.readouterr()
+    assert train.main(["--workdir", str(tmp_path), "--steps", "8", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the workdir's config.json has incomplete model settings (")
+    assert err.count("\n") == 1 and checkpoint_steps(tmp_path) == [4]
+
+
 def test_damaged_latest_checkpoint_is_reported_and_the_one_before_used(
     straight_run, slice_dir, tmp_path, capsys
 ):
