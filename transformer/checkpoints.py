@@ -979,7 +979,10 @@ def restore_last(
                 f"cannot average the last {k} checkpoints: {workdir} has "
                 f"{len(steps)} ({', '.join(map(str, steps)) or 'none'})"
             )
-        keep = _kept_last(workdir)
+        try:
+            keep = kept_last(load_run_config(workdir))
+        except CheckpointError:  # no config.json: the checkpoints alone are averaged
+            keep = None
         if keep is not None and keep < k and len(steps) > keep:
             # The run keeps its last `keep` and its best: an older one is that best, and
             # with it the average would reach back past the checkpoints deleted between.
@@ -1010,12 +1013,10 @@ def restore_last(
     return trees, chosen
 
 
-def _kept_last(workdir: str | os.PathLike) -> int | None:
-    """The run's keep_checkpoints, from its config.json; None where that does not say."""
-    try:
-        keep = (load_run_config(workdir).get("train") or {}).get("keep_checkpoints")
-    except CheckpointError:
-        return None
+def kept_last(config: dict[str, Any]) -> int | None:
+    """How many of its last checkpoints a run keeps, from its config.json's dict
+    (`load_run_config`); None where that does not say (an edited config)."""
+    keep = (config.get("train") or {}).get("keep_checkpoints")
     return keep if isinstance(keep, int) and keep >= 1 else None
 
 

@@ -409,10 +409,7 @@ def default_average_last(workdir: str | os.PathLike, config: dict | None = None)
     available = len(checkpoints.checkpoint_steps(workdir))
     if config is None:
         config = checkpoints.load_run_config(workdir)
-    keep = (config.get("train") or {}).get("keep_checkpoints")
-    if not isinstance(keep, int) or keep < 1:  # an edited config: every recent one there is
-        keep = available
-    return min(DEFAULT_AVERAGE_LAST, available, keep)
+    return min(DEFAULT_AVERAGE_LAST, available, checkpoints.kept_last(config) or available)
 
 
 def load_run(
