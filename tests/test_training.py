@@ -255,7 +255,7 @@ def test_the_step_loss_is_per_real_target_token_and_nll_is_unsmoothed(tiny_setup
     _, metrics = step(replicate(state), batch)
     metrics = {k: float(v) for k, v in unreplicate(metrics).items()}
     src, tgt_in, tgt_out = (np.concatenate(batch[k]) for k in ("src", "tgt_in", "tgt_out"))
-    logits = model.apply({"params": state.params}, src, tgt_in)
+    logits = jax.jit(model.apply)({"params": state.params}, src, tgt_in)
     logits = np.asarray(logits, np.float64)
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
     logp -= logits.max(-1, keepdims=True)
