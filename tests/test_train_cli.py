@@ -228,11 +228,11 @@ def _two_cpu_devices_env() -> dict[str, str]:
 
 def test_step_programs_compiled_side_by_side_train_exactly_as_one_by_one(slice_dir, tmp_path):
     # On a GPU or TPU train.py compiles every step program before the first step; on the
-    # CPU it does not, so here that path is forced, on 2 devices with 3 batch shapes and
+    # CPU it does not, so here that path is forced, on 2 devices with 2 batch shapes and
     # validation, and must not change a number.
     assert not train.compiles_side_by_side()
     default = "import sys, train; sys.exit(train.main())"
-    extra = ["--steps", "12", "--max-shapes", "3", "--eval-every", "6", "--bleu-every", "12"]
+    extra = ["--steps", "12", "--max-shapes", "2", "--eval-every", "6", "--bleu-every", "12"]
     runs = {}
     for name, code in (("ahead", FORCED_SIDE_BY_SIDE), ("lazy", default)):
         flags = _flags(slice_dir, tmp_path / name, *extra, "--bleu-max-sentences", "8")
@@ -242,7 +242,7 @@ def test_step_programs_compiled_side_by_side_train_exactly_as_one_by_one(slice_d
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         runs[name] = done.stdout
-    assert "compiling: 3 train-step and " in runs["ahead"] and "compiled: " in runs["ahead"]
+    assert "compiling: 2 train-step and " in runs["ahead"] and "compiled: " in runs["ahead"]
     assert "compiling" not in runs["lazy"] and "2 cpu device(s)" in runs["lazy"]
     ahead, _ = restore_params(tmp_path / "ahead", "last")
     lazy, _ = restore_params(tmp_path / "lazy", "last")
