@@ -33,11 +33,10 @@ def slow_replace(self, target):
     return replace(self, target)
 pathlib.Path.replace = slow_replace
 """
-# Process 1 of the two-host test: it looks for a stale tokenizer 6 s late, after process
-# 0 would have moved it, and sets aside a damaged checkpoint 3 s late.
-SLOW_LOOKS = """
+# Process 1 of the two-host test's first run: it looks for a stale tokenizer 6 s late,
+# after process 0 would have moved it.
+SLOW_LOOK = """
 import pathlib, time
-from transformer import checkpoints
 is_file = pathlib.Path.is_file
 looks = []
 def slow_is_file(self):
@@ -46,6 +45,11 @@ def slow_is_file(self):
         time.sleep(6)
     return is_file(self)
 pathlib.Path.is_file = slow_is_file
+"""
+# Process 1 of the two-host test's resume: it sets aside a damaged checkpoint 3 s late.
+SLOW_SET_ASIDE = """
+import time
+from transformer import checkpoints
 set_aside = checkpoints.Checkpoints._set_aside
 def slow_set_aside(self, step):
     time.sleep(3)
@@ -190,7 +194,7 @@ def test_two_hosts_train_and_resume_as_one_host_with_two_devices(slice_dir, one_
     stale = (workdir / "tokenizer.model").read_bytes()
     assert stale != (one_host / "tokenizer.model").read_bytes()
 
-    preludes = {0: SLOW_MOVE, 1: SLOW_LOOKS + SIGTERM_AFTER_5}
+    preludes = {0: SLOW_MOVE, 1: SLOW_LOOK + SIGTERM_AFTER_5}
     outputs = _train(_flags(slice_dir, workdir, 12), processes=2, devices=1, preludes=preludes)
     assert all("2 cpu device(s) on 2 host(s)" in out for out in outputs)
     assert all("moved to tokenizer.model.old" in out for out in outputs)
@@ -201,7 +205,7 @@ def test_two_hosts_train_and_resume_as_one_host_with_two_devices(slice_dir, one_
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["4", "6"]
     damage_checkpoint(workdir / "checkpoints" / "6")
     flags = _flags(slice_dir, workdir, 12)
-    outputs = _train(flags, processes=2, devices=1, preludes={1: SLOW_LOOKS})
+    outputs = _train(flags, processes=2, devices=1, preludes={1: SLOW_SET_ASIDE})
     assert all("is damaged and was skipped" in out for out in outputs)
     assert all("; kept as 6.damaged;" in out for out in outputs)
     assert all("resumed from step 4" in out for out in outputs)
