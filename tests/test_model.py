@@ -504,7 +504,7 @@ def test_reverse_mode_autodiff_works_and_forward_mode_is_refused_as_the_readme_s
     def total(p):
         return model.apply({"params": p}, src, tgt).sum()
 
-    grads = jax.grad(total)(params)
+    grads = jax.jit(jax.grad(total))(params)
     assert jax.tree.structure(grads) == jax.tree.structure(params)
     with pytest.raises(
         TypeError, match=r"can't apply forward-mode autodiff \(jvp\) to a custom_vjp"
