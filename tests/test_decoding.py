@@ -157,6 +157,7 @@ def _exhaustive_best(model, params, src, vocab_size: int, limits: list[int], alp
     tokens = [t for t in range(vocab_size) if t != PAD]
     words = [t for t in tokens if t != EOS]
     best = []
+    apply = jax.jit(model.apply)
     for b, limit in enumerate(limits):
         outputs = [
             (*prefix, EOS) for n in range(limit) for prefix in itertools.product(words, repeat=n)
@@ -168,7 +169,7 @@ def _exhaustive_best(model, params, src, vocab_size: int, limits: list[int], alp
         tgt_in = np.concatenate([np.full((len(outputs), 1), BOS), tgt_out[:, :-1]], axis=1)
         tgt_in = np.where(tgt_in == EOS, PAD, tgt_in)  # nothing follows the end token
         src_b = jnp.repeat(src[b : b + 1], len(outputs), axis=0)
-        logits = model.apply({"params": params}, src_b, jnp.asarray(tgt_in))
+        logits = apply({"params": params}, src_b, jnp.asarray(tgt_in))
         logp = np.asarray(jax.nn.log_softmax(logits.at[..., PAD].set(-jnp.inf), axis=-1))
         token_logp = np.take_along_axis(logp, tgt_out[..., None], axis=-1)[..., 0]
         lengths = np.array([len(y) for y in outputs])
