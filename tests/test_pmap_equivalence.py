@@ -4,8 +4,8 @@ The worker runs in a subprocess with 4 fake CPU devices
 (XLA_FLAGS=--xla_force_host_platform_device_count=4 must be set before JAX is
 imported) and trains with pmap over the first 1, 2 and 4 of them, from the same
 initial state on the same global batches. Dropout is off: with dropout each
-device draws its own masks, so only the dropout-free computation can match
-across device counts.
+device draws its own masks (checked too), so only the dropout-free computation
+can match across device counts.
 
 What data parallelism promises is the global batch's gradient, whatever the
 number of devices. Plain SGD turns that gradient into the parameters linearly,
@@ -113,6 +113,20 @@ def _worker(out_dir: str) -> None:
                 val=np.array([val["val_loss"], val["val_nll"]]),
                 **flat,
             )
+    # Each device draws its own dropout masks: the same rows on each of 2 devices give
+    # another loss than on 1 (with device 0's masks on both, the loss is the same).
+    dropout_model = Transformer(config.replace(dropout_rate=0.3))
+    sgd = optax.sgd(0.5)
+    initial = create_train_state(dropout_model, sgd, seed=0)
+    rows = {k: v[: GLOBAL_BATCH // 2] for k, v in _global_batches()[0].items()}
+    dropout_losses = []
+    for num_devices in (1, 2):
+        devices = jax.local_devices()[:num_devices]
+        step = make_train_step(dropout_model, sgd, label_smoothing=0.1, pad_id=0, devices=devices)
+        same_rows = {k: np.stack([v] * num_devices) for k, v in rows.items()}
+        _, metrics = step(replicate(initial, devices), same_rows)
+        dropout_losses.append(unreplicate(metrics)["loss"])
+    np.save(Path(out_dir) / "dropout_losses.npy", np.array(dropout_losses))
 
 
 def _run_worker(tmp_path: Path) -> dict[str, list[dict[str, np.ndarray]]]:
@@ -128,11 +142,14 @@ def _run_worker(tmp_path: Path) -> dict[str, list[dict[str, np.ndarray]]]:
         for n in DEVICE_COUNTS:
             with np.load(tmp_path / f"{name}_{n}.npz") as f:
                 results[name].append(dict(f))
+    results["dropout_losses"] = np.load(tmp_path / "dropout_losses.npy")
     return results
 
 
 def test_same_global_batch_same_training_on_1_2_4_devices(tmp_path):
     results = _run_worker(tmp_path)
+    one_device, two_devices = results["dropout_losses"]
+    assert np.isfinite(one_device) and one_device != two_devices
     for name in OPTIMIZERS:
         one, *others = results[name]
         assert np.all(np.isfinite(one["losses"])), name
