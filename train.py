@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import shutil
@@ -219,7 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
         f"cooldown) [{TRAIN_DEFAULTS['cooldown_shape']}]",
     )
     t.add_argument("--label-smoothing", type=float, help="epsilon_ls [0.1]")
-    t.add_argument("--clip-grad-norm", type=float, help="clip the global gradient norm [off]")
+    t.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        help="clip the global gradient norm to this; 0 turns clipping off, on a resume too [off]",
+    )
     t.add_argument("--adam-b1", type=float, help="Adam beta1 [0.9]")
     t.add_argument("--adam-b2", type=float, help="Adam beta2 [0.98]")
     t.add_argument("--adam-eps", type=float, help="Adam epsilon [1e-9]")
@@ -323,8 +328,16 @@ def resumed_changes(saved: dict[str, Any], train_cfg, data_cfg: dict[str, Any]) 
             {k: data_cfg.get(k) for k in DATA_LOCATIONS},
         ),
     ):
-        changes += [f"{_flag(k)} {there.get(k)} -> {now.get(k)}" for k in _changed(there, now)]
+        changes += [
+            f"{_flag(k)} {_shown(k, there.get(k))} -> {_shown(k, now.get(k))}"
+            for k in _changed(there, now)
+        ]
     return changes
+
+
+def _shown(field: str, value: Any) -> Any:
+    """A setting's value as resumed_changes writes it: no gradient clipping is "off"."""
+    return "off" if field == "grad_clip_norm" and value is None else value
 
 
 def default_workdir(args: argparse.Namespace) -> Path:
@@ -397,6 +410,14 @@ def train_config(args: argparse.Namespace, saved: dict[str, Any] | None):
     settings = dict((saved or {}).get("train") or TRAIN_DEFAULTS)
     names = [f.name for f in dataclasses.fields(TrainConfig)] + list(TRAIN_FIELDS)
     flags = {TRAIN_FIELDS.get(k, k): v for k, v in given(args, *names).items()}
+    if "grad_clip_norm" in flags:
+        norm = flags["grad_clip_norm"]
+        if not 0 <= norm < math.inf:  # NaN fails too
+            raise UsageError(
+                f"--clip-grad-norm must be a finite number > 0, or 0 to turn clipping off; "
+                f"got {norm}"
+            )
+        flags["grad_clip_norm"] = norm or None  # 0: off, where a resumed run had it on
     if "steps" in flags:
         settings["epochs"] = None
     if "epochs" in flags:

@@ -496,15 +496,14 @@ def test_gradient_clipping_can_be_turned_on_and_off_when_resuming(
     assert train.main(_flags(slice_dir, tmp_path, "--steps", "8", "--clip-grad-norm", "1e9")) == 0
     out, err = capsys.readouterr()
     assert "damaged" not in out + err and "resumed from step 4" in out
-    # Off again: no flag does that (it takes the run's setting), a library user's
-    # TrainConfig(grad_clip_norm=None) does, as this run config now says.
-    config = load_run_config(tmp_path)
-    assert config["train"]["grad_clip_norm"] == 1e9
-    config["train"]["grad_clip_norm"] = None
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    assert train.main(_flags(slice_dir, tmp_path, "--steps", "12")) == 0
+    assert load_run_config(tmp_path)["train"]["grad_clip_norm"] == 1e9
+    # A resume without the flag keeps the run's setting; off again is --clip-grad-norm 0
+    # (before, 0 was refused: no flag could turn it off).
+    assert train.main(_flags(slice_dir, tmp_path, "--steps", "12", "--clip-grad-norm", "0")) == 0
     out, err = capsys.readouterr()
     assert "damaged" not in out + err and "resumed from step 8" in out
+    assert "--clip-grad-norm 1000000000.0 -> off" in out
+    assert load_run_config(tmp_path)["train"]["grad_clip_norm"] is None
     resumed = jax.tree_util.tree_leaves_with_path(restore_params(tmp_path, 12)[0])
     straight = jax.tree.leaves(restore_params(straight_run, 12)[0])
     for (path, x), y in zip(resumed, straight, strict=True):
@@ -719,6 +718,7 @@ def test_a_training_split_cleaning_empties_is_a_one_line_error(slice_dir, tmp_pa
         ("--lr-scale", "nan", "bad training settings: --lr-scale must be > 0 and finite, got nan"),
         ("--adam-eps", "inf", "bad training settings: --adam-eps must be > 0 and finite, got inf"),
         ("--seed", "-1", "bad training settings: --seed must be in [0, 2**32), got -1"),
+        ("--clip-grad-norm", "-1", "--clip-grad-norm must be a finite number > 0, or 0 to turn"),
         ("--adam-b2", "1", "bad training settings: --adam-b2 must be in [0, 1), got 1.0"),
         ("--max-shapes", "0", "bad data settings: --max-shapes must be >= 1, got 0"),
         ("--max-tokens", "-5", "bad data settings: --max-tokens must be >= 1, got -5"),
