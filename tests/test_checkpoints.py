@@ -169,6 +169,35 @@ def test_a_damaged_metrics_file_is_one_line_naming_the_bleu_to_write_back(tmp_pa
     assert restore_params(tmp_path, "best")[1] == 2
 
 
+def test_a_missing_metrics_file_of_a_scored_step_is_one_line_not_a_lost_best(tmp_path, params):
+    # Without its metrics file the best step (BLEU 30.5) was unscored without a word: "best"
+    # was the last step, and the next save deleted it as older than the last `keep`.
+    with Checkpoints(tmp_path, keep=1) as ckpts:
+        ckpts.save(2, params, _OPT, {"rng": [0, 2]}, val_bleu=30.5)
+        ckpts.save(4, params, _OPT, {"rng": [0, 4]}, val_bleu=20.0)
+        ckpts.save(6, params, _OPT, {"rng": [0, 6]})  # a step without BLEU has no file
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(f'{{"step": {s}, "val_bleu": {b}}}\n' for s, b in ((2, 30.5), (4, 20.0)))
+    )
+    metrics = tmp_path / "checkpoints" / "2" / "metrics"
+    shutil.rmtree(metrics)
+    for read_only in (True, False):
+        with pytest.raises(CheckpointError) as info:
+            Checkpoints(tmp_path, keep=1, read_only=read_only)
+        assert str(info.value) == (
+            f"checkpoint step 2 in {tmp_path / 'checkpoints'} has no metrics file, so its "
+            "validation BLEU (30.5, logged in metrics.jsonl) does not count and a later save "
+            f'would delete it; write {{"val_bleu": 30.5}} into {metrics / "metrics"} (making '
+            "its folder) and run the same command again"
+        )
+    metrics.mkdir()
+    (metrics / "metrics").write_text('{"val_bleu": 30.5}')  # as it says
+    with Checkpoints(tmp_path, keep=1) as ckpts:
+        ckpts.save(8, params, _OPT, {"rng": [0, 8]})
+    assert checkpoint_steps(tmp_path) == [2, 8]
+    assert restore_params(tmp_path, "best")[1] == 2
+
+
 def test_the_folder_of_a_killed_save_is_removed_by_the_next_run_only(tmp_path, params):
     # A save killed at a step off the schedule (a SIGKILL after a SIGTERM's save) left a
     # folder of the checkpoint's size that no later save replaced.

@@ -749,28 +749,48 @@ class Checkpoints:
 
 def _check_metrics_files(workdir: str | os.PathLike, directory: Path) -> None:
     """A one-line CheckpointError where a checkpoint's metrics file (its validation BLEU)
-    is not a JSON object: Orbax reads every one of them when it opens the folder, and a
-    damaged one was a JSONDecodeError traceback for every command on the run."""
+    is not a JSON object, or is missing where metrics.jsonl logged a BLEU for its step.
+
+    Orbax reads every metrics file when it opens the folder: a damaged one was a
+    JSONDecodeError traceback for every command on the run. A missing one made the
+    step unscored without a word: not the best any more, and deleted by the next save
+    once older than the last `keep`, however high its BLEU."""
     if not directory.is_dir():
         return
-    for step in directory.iterdir():
+    logged = None  # step -> the last BLEU metrics.jsonl logged there, read when needed
+
+    def logged_bleu(step: int) -> float | None:
+        nonlocal logged
+        if logged is None:
+            try:
+                records = metrics_records(Path(workdir) / METRICS_FILE)
+            except OSError:
+                records = []
+            logged = {r["step"]: r[BEST_METRIC] for r in records if BEST_METRIC in r}
+        return logged.get(step)
+
+    for step in sorted(directory.iterdir()):
         path = step / "metrics" / "metrics"
-        if not step.name.isdigit() or not path.is_file():
+        if not step.name.isdigit():
+            continue
+        if not path.is_file():
+            bleu = logged_bleu(int(step.name))
+            if bleu is not None:
+                raise CheckpointError(
+                    f"checkpoint step {step.name} in {directory} has no metrics file, so "
+                    f"its validation BLEU ({bleu}, logged in {METRICS_FILE}) does not count "
+                    f'and a later save would delete it; write {{"{BEST_METRIC}": {bleu}}} '
+                    f"into {path} (making its folder) and run the same command again"
+                )
             continue
         try:
             if isinstance(json.loads(path.read_text(encoding="utf-8")), dict):
                 continue
         except (OSError, ValueError):
             pass
-        try:
-            records = metrics_records(Path(workdir) / METRICS_FILE)
-        except OSError:
-            records = []
-        logged = [
-            r[BEST_METRIC] for r in records if r["step"] == int(step.name) and BEST_METRIC in r
-        ]
-        if logged:
-            fix = f'{{"{BEST_METRIC}": {logged[-1]}}} (the BLEU metrics.jsonl logged there)'
+        bleu = logged_bleu(int(step.name))
+        if bleu is not None:
+            fix = f'{{"{BEST_METRIC}": {bleu}}} (the BLEU metrics.jsonl logged there)'
         else:
             fix = "{} (metrics.jsonl logged no BLEU there)"
         raise CheckpointError(
