@@ -139,6 +139,32 @@ def test_ids_that_are_not_integers_are_an_error_not_truncated_or_parsed(setup):
         translate_ids(model, params, sentences[:2], **kw)
 
 
+def test_ids_as_a_generator_or_a_padded_array_translate_as_the_list(setup):
+    # A generator was used up by the text check: nothing decoded, [] returned. A row of
+    # padding only (an empty line in a padded array) was decoded as a sentence.
+    model, params, tokenizer, sentences = setup
+    kw = dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, greedy=True, max_extra_len=2)
+    src_ids = encode_sources(tokenizer, [sentences[0], "", sentences[1]])
+    expected = translate_ids(model, params, src_ids, **kw)
+    assert expected[0] and expected[1] == [] and expected[2]
+    assert translate_ids(model, params, (ids for ids in src_ids), **kw) == expected
+    padded = np.full((3, max(map(len, src_ids)) + 3), tokenizer.pad_id, np.int64)
+    for row, ids in zip(padded, src_ids, strict=True):
+        row[: len(ids)] = ids
+    assert translate_ids(model, params, padded, **kw) == expected
+    with pytest.raises(ValueError, match="max_tokens must be at least 1, got 0"):
+        translate_ids(model, params, src_ids, max_tokens=0, **kw)
+
+
+def test_a_tokenizer_that_is_not_the_models_is_an_error(setup):
+    model, params, tokenizer, sentences = setup
+    with pytest.raises(TypeError, match=r"got the path 'tok.model': use data.Tokenizer.load"):
+        translate(model, params, "tok.model", sentences[:1])
+    other = Transformer(model.config.replace(vocab_size=500))  # it failed in SentencePiece
+    with pytest.raises(ValueError, match="has 400 pieces but the model's vocabulary is 500"):
+        translate(other, params, tokenizer, sentences[:1])
+
+
 def test_raw_input_is_normalized_like_training_data(setup):
     """No-break spaces, an XML entity and extra whitespace translate like the clean sentence."""
     model, params, tokenizer, _ = setup

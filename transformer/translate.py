@@ -157,6 +157,12 @@ def _integer_ids(ids: Sequence[int], index: int) -> np.ndarray:
     return array.astype(np.int64)
 
 
+def _without_end_padding(ids: np.ndarray, pad_id: int) -> np.ndarray:
+    """A sentence's ids without the `pad_id`s it ends with (a row of a padded array)."""
+    real = np.flatnonzero(ids != pad_id)
+    return ids[: real[-1] + 1] if len(real) else ids[:0]
+
+
 def _check_ids(sources: list[np.ndarray], indices: list[int], vocab_size: int | None) -> None:
     """Raises ValueError naming the first sentence with an id outside [0, vocab_size)."""
     if vocab_size is None or not sources:
@@ -193,8 +199,10 @@ def translate_ids(
     Args:
       model: the encoder-decoder module.
       params: its parameters.
-      src_ids: per sentence, its source ids `x + [eos]`, each in [0, vocab_size);
-        an empty sequence (an empty input line) is not decoded and gives an empty
+      src_ids: per sentence, its source ids `x + [eos]`, each in [0, vocab_size)
+        (any iterable of sequences; the rows of a padded array do too: ids equal to
+        `pad_id` at the end of a sentence are dropped); an empty sequence (an empty
+        input line, or a row of padding only) is not decoded and gives an empty
         output.
       bos_id: start token.
       eos_id: end token.
@@ -212,18 +220,27 @@ def translate_ids(
 
     Raises:
       ValueError: a source id outside the model's vocabulary, which would embed as NaN
-        (or wrap around, if negative) and decode to garbage, or one that is not an integer.
+        (or wrap around, if negative) and decode to garbage, or one that is not an
+        integer; max_tokens below 1.
       TypeError: text in place of ids.
     """
+    src_ids = src_ids if isinstance(src_ids, str) else list(src_ids)  # once, if a generator
     if isinstance(src_ids, str) or any(isinstance(ids, str) for ids in src_ids):
         raise TypeError(
             "src_ids holds text: give token ids per sentence (tokenizer.encode), or give the "
             "text to translate()"
         )
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     params = jax.device_put(params)  # once, not on every batch's call
     outputs: list[list[int]] = [[] for _ in src_ids]
-    todo = [i for i, ids in enumerate(src_ids) if len(ids)]
-    sources = [_integer_ids(src_ids[i], i) for i in todo]
+    given = {
+        i: _without_end_padding(_integer_ids(ids, i), pad_id)
+        for i, ids in enumerate(src_ids)
+        if len(ids)
+    }
+    todo = [i for i, ids in given.items() if len(ids)]
+    sources = [given[i] for i in todo]
     _check_ids(sources, todo, getattr(getattr(model, "config", None), "vocab_size", None))
     options = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, max_extra_len=max_extra_len)
     if not greedy:
@@ -286,7 +303,22 @@ def translate(
 
     Returns:
       The detokenized translations, one per input sentence, in input order.
+
+    Raises:
+      TypeError: a path in place of the tokenizer.
+      ValueError: a tokenizer of another vocabulary size than the model's.
     """
+    if isinstance(tokenizer, (str, os.PathLike)):
+        raise TypeError(
+            f"tokenizer must be a loaded tokenizer, got the path {str(tokenizer)!r}: "
+            "use data.Tokenizer.load(path)"
+        )
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab_size is not None and tokenizer.vocab_size != vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} pieces but the model's vocabulary is "
+            f"{vocab_size}: use the tokenizer the model was trained with"
+        )
     src_ids = encode_sources(tokenizer, sentences)
     hypotheses = translate_ids(
         model,
