@@ -175,6 +175,18 @@ def test_an_additive_float_mask_is_a_type_error_not_a_mask_read_backwards():
         scaled_dot_product_attention(q, k, v, (additive == 0).astype(jnp.float32))
 
 
+def test_a_mask_without_four_axes_is_an_error_not_read_on_the_wrong_axes():
+    # A [batch, kv_len] padding mask broadcast as [q_len, kv_len]: with batch == q_len,
+    # sentence 0's second query attended to its padding and sentence 1's first did not.
+    q = jnp.ones((2, 2, 1, 4))
+    k = v = jnp.ones((2, 5, 1, 4))
+    padding = jnp.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
+    with pytest.raises(ValueError, match=r"mask must have 4 axes .* got shape \(2, 5\)"):
+        scaled_dot_product_attention(q, k, v, padding)
+    _, weights = scaled_dot_product_attention(q, k, v, padding[:, None, None, :])
+    assert (np.asarray(weights[0, :, :, 3:]) == 0).all() and (weights[1] > 0).all()
+
+
 def test_a_decode_step_without_the_init_cache_collection_is_an_error():
     # It created a fresh cache at position 0: the first step was right and every later
     # one wrong, with no error.

@@ -34,8 +34,8 @@ def scaled_dot_product_attention(
       q_BQHD: queries [batch, q_len, heads, d_k].
       k_BKHD: keys [batch, kv_len, heads, d_k].
       v_BKHD: values [batch, kv_len, heads, d_v].
-      mask: boolean, broadcastable to [batch, heads, q_len, kv_len]; True
-        where a query may attend to a key. None attends everywhere.
+      mask: boolean, with 4 axes broadcastable to [batch, heads, q_len, kv_len];
+        True where a query may attend to a key. None attends everywhere.
       dropout_rate: dropout on the attention weights.
       dropout_rng: PRNG key for that dropout; None disables it.
       matmul_dtype: the dtype the two products' operands are rounded to (they
@@ -51,6 +51,14 @@ def scaled_dot_product_attention(
             f"mask must be boolean (True where a query may attend), got {jnp.result_type(mask)}: "
             "make a 0/1 mask boolean with .astype(bool); an additive 0/-inf mask is not "
             "supported (it would be read the other way round)"
+        )
+    if mask is not None and jnp.ndim(mask) != 4:
+        # Broadcasting aligns the last axes: a [batch, kv_len] padding mask would be read
+        # as [q_len, kv_len] (silently, where batch == q_len).
+        raise ValueError(
+            f"mask must have 4 axes [batch, heads, q_len, kv_len] (each may be 1), got shape "
+            f"{jnp.shape(mask)}: a [batch, kv_len] padding mask is mask[:, None, None, :] "
+            "(padding_mask), a [q_len, kv_len] one mask[None, None]"
         )
     d_k = q_BQHD.shape[-1]
     if q_BQHD.dtype == jnp.float16:
@@ -118,7 +126,8 @@ class MultiHeadAttention(nn.Module):
           inputs_q_BQD: query-side input [batch, q_len, d_model].
           inputs_kv_BKD: key/value-side input [batch, kv_len, d_model]; None for
             self-attention.
-          mask: boolean, broadcastable to [batch, heads, q_len, kv_len]. Cached
+          mask: boolean, with 4 axes broadcastable to [batch, heads, q_len, kv_len]
+            (another number of axes is a ValueError). Cached
             self-attention steps ignore it and build their own; cached
             cross-attention steps still need the source padding mask.
           train: enables attention dropout (needs the "dropout" RNG).
