@@ -3,6 +3,7 @@
 import functools
 import json
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -208,6 +209,30 @@ def test_a_decode_step_without_the_init_cache_collection_is_an_error():
             {"params": params, "cache": state}, encoded, src, tgt[:, :1], decode=True,
             method=Transformer.decode, mutable=["cache"],
         )  # fmt: skip
+    # Without mutable=["cache"]: Flax's own error, as the docstring says.
+    with pytest.raises(flax.errors.ModifyScopeVariableError):
+        model.apply(
+            {"params": params, "cache": state["cache"]}, encoded, src, tgt[:, :1],
+            decode=True, method=Transformer.decode,
+        )  # fmt: skip
+
+
+def test_ids_of_another_rank_or_another_sentences_encoding_are_errors():
+    # 1-D ids were "must have the same batch, got 7 and 6" (their lengths), or an
+    # IndexError deep in the embedding; [B, S, 1] an einsum error. The encoding of other
+    # sentences than src_BS's (another batch) decoded with the wrong padding masks.
+    src, tgt = _batch(np.random.default_rng(7))
+    model, params = _init(_config(), src, tgt)
+    variables = {"params": params}
+    with pytest.raises(ValueError, match=r"src_BS must be .* \(7,\): add the batch axis"):
+        model.apply(variables, src[0], tgt[0])
+    with pytest.raises(ValueError, match=r"tgt_BT must be token ids \[batch, length\]"):
+        model.apply(variables, src, tgt[..., None])
+    with pytest.raises(ValueError, match=r"src_BS must be .* got shape \(3, 7, 1\)(?!:)"):
+        model.apply(variables, src[..., None], method=Transformer.encode)
+    encoded = model.apply(variables, src, method=Transformer.encode)
+    with pytest.raises(ValueError, match=r"\(3, 7, 32\) is not the encoding of src_BS \(1, 7\)"):
+        model.apply(variables, encoded, src[:1], tgt, method=Transformer.decode)
 
 
 def test_attention_weights_are_recorded():

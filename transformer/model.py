@@ -193,6 +193,15 @@ class _Embedding(nn.Module):
         return Dropout(cfg.dropout_rate, deterministic=not train)(x_BLD)
 
 
+def _check_ids(name: str, ids: jax.Array) -> None:
+    """A ValueError unless `ids` is [batch, length] (rank errors were deep in the layers)."""
+    if jnp.ndim(ids) != 2:
+        raise ValueError(
+            f"{name} must be token ids [batch, length], got shape {jnp.shape(ids)}"
+            + (": add the batch axis (ids[None])" if jnp.ndim(ids) == 1 else "")
+        )
+
+
 class Encoder(nn.Module):
     """Embedding followed by a stack of `num_encoder_layers` EncoderLayers.
 
@@ -217,6 +226,7 @@ class Encoder(nn.Module):
           [batch, src_len, d_model].
         """
         cfg = self.config
+        _check_ids("src_BS", src_BS)
         src_mask = padding_mask(src_BS, cfg.pad_id)
         x_BSD = _Embedding(cfg, self.embed, name="embedding")(
             src_BS, jnp.arange(src_BS.shape[1]), train
@@ -265,6 +275,13 @@ class Decoder(nn.Module):
           float32 logits [batch, tgt_len, vocab_size].
         """
         cfg = self.config
+        _check_ids("src_BS", src_BS)
+        _check_ids("tgt_BT", tgt_BT)
+        if jnp.shape(encoded_BSD)[:2] != jnp.shape(src_BS):
+            raise ValueError(
+                f"encoded_BSD {jnp.shape(encoded_BSD)} is not the encoding of src_BS "
+                f"{jnp.shape(src_BS)}: the two must have the same [batch, src_len]"
+            )
         cross_mask = padding_mask(src_BS, cfg.pad_id)
         if decode:
             self_mask = None
@@ -346,17 +363,20 @@ class Transformer(nn.Module):
     ) -> jax.Array:
         """Decoder logits given the encoder output.
 
+        For beam search `tgt_BT` may have r rows per sentence while `src_BS` and
+        `encoded_BSD` keep one: row i is sentence i // r's (beams adjacent, as
+        `jnp.repeat(x, r, axis=0)` orders them, not `jnp.tile`). In a cached
+        step the cache's `cached_key` and `cached_value` leaves must be repeated
+        so too (`jnp.repeat(leaf, r, axis=0)`, as `transformer.decoding` does).
+
         Args:
           encoded_BSD: `encode(src_BS)`, [batch, src_len, d_model].
           src_BS: source ids [batch, src_len].
           tgt_BT: decoder input ids [batch, tgt_len] (target shifted right).
           train: enables dropout.
-          decode: one cached step; call `init_cache` first and apply with its
-            "cache" collection and `mutable=["cache"]` (without it, a ValueError).
-            For beam search `tgt_BT` may have r rows per sentence (beams
-            adjacent) while `src_BS` keeps one, once the cache's `cached_key`
-            and `cached_value` leaves are repeated r times per sentence
-            (`jnp.repeat(leaf, r, axis=0)`, as `transformer.decoding` does).
+          decode: one cached step; call `init_cache` first (a step without its
+            "cache" collection is a ValueError) and apply with that collection
+            and `mutable=["cache"]` (without it, Flax's ModifyScopeVariableError).
 
         Returns:
           float32 logits [batch, tgt_len, vocab_size].
@@ -405,6 +425,8 @@ class Transformer(nn.Module):
         Returns:
           float32 logits [batch, tgt_len, vocab_size].
         """
+        _check_ids("src_BS", src_BS)
+        _check_ids("tgt_BT", tgt_BT)
         if src_BS.shape[0] != tgt_BT.shape[0]:  # decode() alone takes r rows per sentence
             raise ValueError(
                 f"src_BS and tgt_BT must have the same batch, got {src_BS.shape[0]} and "
