@@ -60,6 +60,12 @@ def _assert_well_formed(tokens: np.ndarray, src: np.ndarray, max_extra_len: int)
         ((2, 5), {"pad_id": 5}, r"pad_id 5 is not the model's padding id \(config.pad_id 0\)"),
         ((2, 0), {}, r"src_BS must be \[batch, src_len\] with src_len >= 1, got shape \(2, 0\)"),
         ((5,), {}, r"src_BS must be \[batch, src_len\]"),
+        (
+            (2, 5),
+            {"max_extra_len": -5},
+            r"limit \(src_len 5 \+ max_extra_len -5\) must be at least 1, got 0",
+        ),
+        ((2, 5), {"max_len": 0}, r"\+ max_extra_len 50, at most max_len 0\) must be at least 1"),
     ],
 )
 def test_arguments_that_would_search_wrongly_are_errors(

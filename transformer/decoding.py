@@ -82,7 +82,11 @@ def _length_limits(
         limit_B = jnp.minimum(limit_B, max_len)
         buffer_len = min(buffer_len, max_len)
     if buffer_len < 1:
-        raise ValueError(f"the output length limit must be at least 1, got {buffer_len}")
+        cap = "" if max_len is None else f", at most max_len {max_len}"
+        raise ValueError(
+            f"the output length limit (src_len {src_BS.shape[1]} + max_extra_len "
+            f"{max_extra_len}{cap}) must be at least 1, got {buffer_len}"
+        )
     return limit_B, buffer_len
 
 
