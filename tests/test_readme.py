@@ -4,6 +4,8 @@ it states evaluate.py's search defaults."""
 import re
 from pathlib import Path
 
+import transformer
+
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text(encoding="utf-8")
 
@@ -24,6 +26,12 @@ def test_readme_python_examples_run():
     for block in blocks:  # later blocks build on earlier ones, as a reader runs them
         if WORKDIR_EXAMPLE not in block:
             exec(compile(block, "README.md", "exec"), namespace)
+
+
+def test_the_public_names_the_readme_lists_are_the_packages():
+    sentence = README.split("Every concept of the paper is a public name")[1].split(". ")[0]
+    assert sorted(re.findall(r"`(\w+)`", sentence)[1:]) == sorted(transformer.__all__)
+    assert all(hasattr(transformer, name) for name in transformer.__all__)
 
 
 def test_ci_runs_the_readme_test_command():

@@ -4,11 +4,13 @@ Every concept of the paper is a public name here: `TransformerConfig`,
 `sinusoidal_positional_encoding`, `scaled_dot_product_attention`,
 `MultiHeadAttention`, `FeedForward`, `EncoderLayer`, `DecoderLayer`, `Encoder`,
 `Decoder` and `Transformer`, with the boolean masks `causal_mask` and
-`padding_mask` (True where attention may look).
+`padding_mask` (True where attention may look), and the searches `beam_search`
+and `greedy_search` (from `transformer.decoding`).
 """
 
 from transformer.attention import MultiHeadAttention, scaled_dot_product_attention
 from transformer.config import TransformerConfig
+from transformer.decoding import beam_search, greedy_search
 from transformer.model import (
     Decoder,
     DecoderLayer,
@@ -30,7 +32,9 @@ __all__ = [
     "MultiHeadAttention",
     "Transformer",
     "TransformerConfig",
+    "beam_search",
     "causal_mask",
+    "greedy_search",
     "padding_mask",
     "scaled_dot_product_attention",
     "sinusoidal_positional_encoding",
