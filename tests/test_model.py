@@ -72,9 +72,25 @@ def test_the_residual_connection_is_the_layout_the_config_names(pre_layer_norm):
     expected = x + (2 * norm(x) + 1) if pre_layer_norm else norm(x + (2 * x + 1))
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     src, tgt = _batch(np.random.default_rng(0))
-    _, model_params = _init(config, src, tgt)
+    model, model_params = _init(config, src, tgt)
     for stack in ("encoder", "decoder"):
         assert ("final_norm" in model_params[stack]) == pre_layer_norm, stack
+    if not pre_layer_norm:
+        return
+    # Each stack's output is its final norm's: zeroed, it zeroes them (a norm made but not
+    # applied passed the check above). Shared embeddings: zero decoder outputs, zero logits.
+    logits = _logits_fn(model)
+    other_src = jnp.where(src != 0, src % (VOCAB - 1) + 1, 0)  # other tokens, same padding
+    assert not np.allclose(logits(model_params, src, tgt), logits(model_params, other_src, tgt))
+    for stack in ("encoder", "decoder"):
+        zeroed = jax.tree.map(lambda x: x, model_params)  # new containers, same arrays
+        zeroed[stack]["final_norm"] = jax.tree.map(jnp.zeros_like, zeroed[stack]["final_norm"])
+        if stack == "decoder":
+            np.testing.assert_array_equal(logits(zeroed, src, tgt), 0.0)
+        else:  # the decoder sees no source: every source gives the same logits
+            np.testing.assert_allclose(
+                logits(zeroed, src, tgt), logits(zeroed, other_src, tgt), atol=1e-6
+            )
 
 
 @pytest.mark.parametrize("overrides", LAYOUTS, ids=["post_ln", "pre_ln", "unshared"])
