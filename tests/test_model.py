@@ -93,6 +93,30 @@ def test_the_residual_connection_is_the_layout_the_config_names(pre_layer_norm):
             )
 
 
+def test_the_embedding_is_scaled_by_sqrt_d_model_plus_positions_then_dropped_out():
+    # Section 3.4: embedding * sqrt(d_model); 5.4: dropout on the sums with the positional
+    # encodings. d_model in place of its root, or no dropout there (the layers' dropout
+    # still varied the outputs), passed every other test.
+    from flax import linen as nn
+
+    from transformer.model import _Embedding
+
+    config = _config(dropout_rate=0.5)
+    layer = _Embedding(config, nn.Embed(VOCAB, config.d_model))
+    tokens = jnp.asarray([[5, 9, 0, 3]])
+    positions = jnp.arange(4) + 2
+    variables = layer.init(jax.random.key(0), tokens, positions, False)
+    table = variables["params"]["embed"]["embedding"]
+    out = np.asarray(layer.apply(variables, tokens, positions, False))
+    pe = sinusoidal_positional_encoding(6, config.d_model)[2:]
+    expected = np.asarray(table)[np.asarray(tokens[0])] * np.sqrt(config.d_model) + pe
+    np.testing.assert_allclose(out[0], expected, rtol=1e-5, atol=1e-6)
+    dropped = layer.apply(variables, tokens, positions, True, rngs={"dropout": jax.random.key(1)})
+    kept = np.asarray(dropped) != 0
+    assert 0.3 < kept.mean() < 0.7  # rate 0.5; the kept scaled by 1 / (1 - rate)
+    np.testing.assert_allclose(np.asarray(dropped)[kept], 2 * out[kept], rtol=1e-5)
+
+
 @pytest.mark.parametrize("overrides", LAYOUTS, ids=["post_ln", "pre_ln", "unshared"])
 def test_decoder_is_causal(overrides):
     """Changing target tokens after position t never changes logits at positions <= t."""
