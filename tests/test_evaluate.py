@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
+import sacrebleu
 from matplotlib import image as mpimg
 
 import data
@@ -86,6 +87,34 @@ def test_printed_scores_equal_the_sacrebleu_command(workdir, tmp_path, capsys):
     assert _score_text(out, "BLEU") == f"{bleu['score']:.2f} {bleu['verbose_score']}"
     assert _score_text(out, "chrF2") == f"{expected['chrF2']['score']:.2f}"
     assert float(bleu["verbose_score"].split("/")[0]) > 0 and expected["chrF2"]["score"] > 0
+
+
+def test_scores_are_against_the_raw_reference_file_not_its_normalized_text(
+    workdir, tmp_path, capsys
+):
+    # Normalizing changes no line of test2016.de, so scoring the normalized references
+    # passed the test above. Here every reference is full-width (which NFKC undoes).
+    run = tmp_path / "run"
+    shutil.copytree(workdir, run)
+    config = json.loads((run / "config.json").read_text())
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    origin = Path(config["data"]["data_dir"])
+    shutil.copy(origin / "test2016.en", data_dir / "test2016.en")
+    wide = {c: chr(ord(c) + 0xFEE0) for c in map(chr, range(0x21, 0x7F))}
+    raw = [line.translate(str.maketrans(wide)) for line in data.read_lines(origin / "test2016.de")]
+    (data_dir / "test2016.de").write_text("".join(line + "\n" for line in raw), encoding="utf-8")
+    config["data"]["data_dir"] = str(data_dir)
+    (run / "config.json").write_text(json.dumps(config))
+    hyp = tmp_path / "hyp"
+    argv = ["--workdir", run, "--split", "test2016", "--output", hyp, "--checkpoint", "last"]
+    code, out, err = _run([*argv, "--greedy", "--max-extra-len", "4", "--no-progress"], capsys)
+    assert code == 0, err
+    hypotheses = data.read_lines(hyp)
+    chrf = f"{sacrebleu.corpus_chrf(hypotheses, [raw]).score:.2f}"
+    normalized = [data.normalize(line) for line in raw]
+    assert chrf != f"{sacrebleu.corpus_chrf(hypotheses, [normalized]).score:.2f}"
+    assert _score_text(out, "chrF2") == chrf
 
 
 def test_the_search_flags_and_their_documented_defaults_reach_the_search(
