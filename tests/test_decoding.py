@@ -277,6 +277,35 @@ def test_the_early_stop_waits_for_outputs_the_length_penalty_may_favour(beam_siz
     assert float(scores[0]) == pytest.approx(expected, rel=1e-5)
 
 
+class _PaddingFirst(nn.Module):
+    """A decoder that puts padding first at every step, then word 4, and from position 3
+    the end token between the two."""
+
+    def encode(self, src):
+        return jnp.zeros((*src.shape, 1))
+
+    def decode(self, encoded, src, tgt, decode=False):
+        position, token = jnp.arange(tgt.shape[1])[None, :, None], jnp.arange(5)[None, None]
+        logits = jnp.where(token == PAD, 0.0, jnp.where(token == 4, -1.0, -1e9))
+        logits = jnp.where((token == EOS) & (position >= 3), -0.5, logits)
+        return jnp.broadcast_to(logits, (*tgt.shape, 5))
+
+    def __call__(self, src, tgt):
+        return self.decode(self.encode(src), src, tgt)
+
+
+def test_no_search_outputs_padding_however_probable():
+    # Greedy's argmax with padding allowed passed every test (the random models never put
+    # it first): a barely trained model's outputs lost words, which translate_ids strips.
+    src = jnp.array([[3, 3, 2]], jnp.int32)
+    kw = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_extra_len=5, use_cache=False)
+    greedy = greedy_search(_PaddingFirst(), {}, src, **kw)
+    assert np.asarray(greedy)[0, :4].tolist() == [4, 4, 4, EOS]
+    for beam_size in (1, 3):
+        tokens, _ = beam_search(_PaddingFirst(), {}, src, beam_size=beam_size, alpha=0.0, **kw)
+        assert np.asarray(tokens)[0, :4].tolist() == [4, 4, 4, EOS], beam_size
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks XLA:CPU's lowering")
 def test_beam_search_top_k_is_not_a_full_sort(model_and_sources):
     """XLA:CPU must lower each step's top_k to its TopK call, not a sort of [batch, beams * vocab].
