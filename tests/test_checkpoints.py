@@ -594,10 +594,13 @@ def test_an_installed_copy_inside_another_git_checkout_records_no_commit(tmp_pat
 def test_environment_changes_name_what_differs():
     before = software_environment()
     now = {**before, "packages": {**before["packages"], "jaxlib": "9.9.9"}, "code": "abc"}
+    now.update(python="3.99.0", devices="8 x gpu")  # another device count rounds otherwise
     assert environment_changes(before, before) == []
     assert environment_changes(before, now) == [
         f"jaxlib {before['packages']['jaxlib']} -> 9.9.9",
         f"code {before['code']} -> abc",
+        f"python {before['python']} -> 3.99.0",
+        f"devices {before['devices']} -> 8 x gpu",
     ]
 
 
