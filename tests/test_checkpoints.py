@@ -138,6 +138,17 @@ def test_keeps_last_k_plus_best_and_finds_best(tmp_path, params):
         restore_params(tmp_path, 4)
 
 
+def test_saving_a_step_that_is_saved_already_keeps_the_first(tmp_path, params):
+    # A run that ends on a checkpoint step saves it twice (the schedule's, then the end's);
+    # Orbax itself refuses a second save of a step.
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(10, params, _OPT, {"rng": [0, 10]})
+        ckpts.save(10, _shifted(params, 1), _OPT, {"rng": [0, 10]})
+        assert ckpts.steps() == [10]
+    leaf = jax.tree.leaves(restore_params(tmp_path, 10)[0])[0]
+    np.testing.assert_array_equal(leaf, jax.tree.leaves(params)[0])
+
+
 def test_best_falls_back_to_last_without_scores(tmp_path, params):
     with Checkpoints(tmp_path, keep=3) as ckpts:
         ckpts.save(10, params, _OPT, {})
