@@ -94,9 +94,11 @@ def test_token_cache_is_reused_and_invalidated(multi30k_tokenizer, multi30k_slic
     data.encode_corpus(tok, corpus, max_len=32, cache_dir=cache)  # max_len changed
     edited = data.Corpus(src=corpus.src[:-1] + ["Ganz neu."], tgt=corpus.tgt, summary=None)
     data.encode_corpus(tok, edited, max_len=64, cache_dir=cache)  # content changed
+    retold = data.Corpus(src=corpus.src, tgt=corpus.tgt[:-1] + ["Ganz neu."], summary=None)
+    data.encode_corpus(tok, retold, max_len=64, cache_dir=cache)  # a target alone changed
     other_tok = data.train_tokenizer(corpus.src + corpus.tgt, tmp_path / "o.model", vocab_size=500)
     data.encode_corpus(other_tok, corpus, max_len=64, cache_dir=cache)  # tokenizer changed
-    assert len(list(cache.glob("encoded-*.npz"))) == 4
+    assert len(list(cache.glob("encoded-*.npz"))) == 5
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "lengths", "header"])
@@ -208,20 +210,24 @@ def test_every_pair_once_per_epoch_up_to_carry_over(small, multi30k_tokenizer):
     assert counts.sum() > (epochs - 1) * len(small)
 
 
-@pytest.mark.parametrize("num_devices, process_count", [(1, 1), (2, 1), (2, 2)])
+# 1 x 3: rows must be a multiple of the 3 hosts, not only of each host's devices.
+@pytest.mark.parametrize("num_devices, process_count", [(1, 1), (2, 1), (2, 2), (1, 3)])
 def test_one_pass_holds_every_pair_exactly_once(
     small, multi30k_tokenizer, num_devices, process_count
 ):
     tok = multi30k_tokenizer
     hosts = host_batchers(small, tok, num_devices, process_count, max_tokens=512)
     shapes = {(r, S, T) for r, S, T in hosts[0].shapes}
-    seen, filler = [], 0
+    assert {r % (num_devices * process_count) for r, _, _ in shapes} == {0}  # rows per host
+    seen, filler, pairs_per_shape = [], 0, dict.fromkeys(shapes, 0)
     for per_host in zip(*(h.one_pass() for h in hosts), strict=True):
         src, tgt_in, tgt_out = (
             np.concatenate([global_rows(b, k) for b in per_host])
             for k in ("src", "tgt_in", "tgt_out")
         )
-        assert (src.shape[0], src.shape[1], tgt_out.shape[1]) in shapes
+        shape = (src.shape[0], src.shape[1], tgt_out.shape[1])
+        assert shape in shapes
+        before = len(seen)
         for s_row, in_row, out_row in zip(src, tgt_in, tgt_out, strict=True):
             y = out_row[out_row != tok.pad_id]
             if len(y) == 0:  # a filler row: padding only, on every side
@@ -230,6 +236,12 @@ def test_one_pass_holds_every_pair_exactly_once(
                 continue
             assert in_row[0] == tok.bos_id and (in_row[1 : len(y)] == y[:-1]).all()
             seen.append((tuple(s_row[s_row != tok.pad_id]), tuple(y)))
+        pairs_per_shape[shape] += len(seen) - before
+    # A shape with fewer pairs than one batch has rows goes, pairs and all, to a larger
+    # one: kept, its batch was mostly padding here and repeated its pairs in training.
+    covering = hosts[0].shapes[-1]  # the one shape that may, in a toy corpus
+    too_few = {shape: n for shape, n in pairs_per_shape.items() if n < shape[0]}
+    assert too_few.keys() <= {covering}, f"shapes (rows, S, T) with too few pairs: {too_few}"
     assert sorted(seen) == sorted(
         (tuple(x), tuple(y)) for x, y in zip(small.src, small.tgt, strict=True)
     )
@@ -257,6 +269,18 @@ def test_shuffle_depends_on_seed_and_epoch(small, multi30k_tokenizer):
     ]
     # Measured: 0 of 28 batches alike here; 7 with one shuffle of each bucket for all epochs.
     assert len(groups[0] & groups[1]) <= n // 10
+
+
+def test_the_order_of_shapes_is_shuffled_anew_every_epoch(multi30k_tokenizer):
+    # Four shapes of two batches each, so every epoch holds the same batches: with one
+    # shuffle of the batch order for all epochs, the shapes came in the same order each time.
+    lengths = [n for n in (4, 8, 16, 32) for _ in range(16)]
+    pairs = [np.arange(5, 5 + n, dtype=np.int32) for n in lengths]
+    b = batcher(data.EncodedCorpus(src=pairs, tgt=pairs), multi30k_tokenizer, max_tokens=64)
+    assert [r for r, _, _ in b.shapes] == [8] * 4 and b.batches_per_epoch == 8
+    orders = [[next(b)["src"].shape[-1] for _ in range(8)] for _epoch in range(3)]
+    assert sorted(orders[0]) == sorted(orders[1]) == [4, 4, 8, 8, 16, 16, 32, 32]
+    assert orders[0] != orders[1] and orders[1] != orders[2]
 
 
 def test_pairs_up_to_max_len_tokens_with_eos_are_kept_and_longer_ones_dropped():
@@ -299,8 +323,11 @@ def test_restore_refuses_other_data_or_settings(small, multi30k_tokenizer):
     tok = multi30k_tokenizer
     state = batcher(small, tok, max_tokens=512).state()
     fewer = data.EncodedCorpus(src=small.src[:-1], tgt=small.tgt[:-1])
+    retold = [y.copy() for y in small.tgt]  # one target token changed, every length the same
+    retold[0][0] += 1
     for other in (
         batcher(fewer, tok, max_tokens=512),
+        batcher(data.EncodedCorpus(src=small.src, tgt=retold), tok, max_tokens=512),
         batcher(small, tok, max_tokens=1024),
         batcher(small, tok, max_tokens=512, seed=1),
     ):

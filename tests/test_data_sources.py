@@ -30,6 +30,9 @@ def test_normalize_folds_spaces_entities_and_invisibles():
     assert data.normalize("a\x00b\x1bc") == "abc"
     assert data.normalize(" \t \u00a0 ") == ""
     assert data.normalize("Q&amp;amp;A") == "Q&A"  # double-escaped
+    assert data.normalize("It&#39;s") == "It's"  # the numeric form of &apos;
+    # Soft hyphens are invisible line-break hints: "Kinder\u00adgarten" was another word.
+    assert data.normalize("Kinder\u00adgarten") == "Kindergarten"
 
 
 @pytest.mark.parametrize(
@@ -67,6 +70,9 @@ def test_read_lines_splits_on_newline_only(tmp_path):
     path = tmp_path / "f.en"
     path.write_bytes("one\u2028still one\x0cand one\r\ntwo\n\nfour".encode())
     assert data.read_lines(path) == ["one\u2028still one\x0cand one", "two", "", "four"]
+    # A UTF-8 byte-order mark (Notepad writes one) is not part of the first sentence.
+    path.write_bytes("\ufeffeins\nzwei\n".encode())
+    assert data.read_lines(path) == ["eins", "zwei"]
 
 
 def test_utf16_and_lone_carriage_returns_are_named_not_misread(tmp_path):
@@ -165,12 +171,14 @@ def test_cleaning_counts_every_skip(multi30k_slice):
     de[40] = "   "  # one side whitespace
     de[50] = "@@"  # junk, as in Multi30k
     en[60] = "..."  # junk
+    en[70], de[70] = "1990", "1990"  # digits only: a year is content, not junk
     corpus = clean_pairs(en, de, name="slice")
     s = corpus.summary
     assert (s.total, s.empty, s.one_side_empty, s.junk, s.kept) == (300, 2, 2, 2, 294)
     assert len(corpus.src) == len(corpus.tgt) == 294
     assert corpus.src[10] == data.normalize(en[11])  # alignment survives the skips
     assert corpus.tgt[10] == data.normalize(de[11])
+    assert ("1990", "1990") in zip(corpus.src, corpus.tgt, strict=True)
     line = str(s)
     assert "\n" not in line and "300" in line and "294 kept" in line and "6 skipped" in line
 

@@ -69,6 +69,9 @@ def test_load_or_train_reuses_the_run_model(small_corpus, tmp_path):
     assert again.fingerprint == first.fingerprint  # loaded, not retrained on `other`
     with pytest.raises(data.DataError, match="use a new --workdir"):
         data.load_or_train_tokenizer(tmp_path, small_corpus, vocab_size=800, model_type="bpe")
+    # Another model type of the same size: the bpe model must not pass for a unigram one.
+    with pytest.raises(data.DataError, match="is a bpe model of 400 pieces but unigram with 400"):
+        data.load_or_train_tokenizer(tmp_path, small_corpus, vocab_size=400, model_type="unigram")
 
 
 def test_bad_settings_and_files_are_one_line_errors(small_corpus, tmp_path):
