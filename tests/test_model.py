@@ -273,6 +273,14 @@ def test_ids_of_another_rank_or_another_sentences_encoding_are_errors():
     encoded = model.apply(variables, src, method=Transformer.encode)
     with pytest.raises(ValueError, match=r"\(3, 7, 32\) is not the encoding of src_BS \(1, 7\)"):
         model.apply(variables, encoded, src[:1], tgt, method=Transformer.decode)
+    # A cache of no position made every step NaN; 8.0 failed deep in jnp.zeros.
+    for length in (0, 8.0, True):
+        with pytest.raises(
+            ValueError, match=f"max_decode_len must be an integer >= 1, got {length}"
+        ):
+            model.apply(
+                variables, encoded, src, length, method=Transformer.init_cache, mutable=["cache"]
+            )
 
 
 def test_attention_weights_are_recorded():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from functools import partial
 
@@ -410,7 +411,14 @@ class Transformer(nn.Module):
           max_decode_len: the most positions the decoder will be stepped; the
             logits of every step past it are NaN.
         """
-        dummy_BT = jnp.zeros((src_BS.shape[0], max_decode_len), jnp.int32)
+        try:
+            positions = operator.index(max_decode_len)
+        except TypeError:
+            positions = 0
+        if positions < 1 or isinstance(max_decode_len, bool):
+            # 8.0 failed deep in jnp.zeros; 0 made a cache whose first step was NaN.
+            raise ValueError(f"max_decode_len must be an integer >= 1, got {max_decode_len!r}")
+        dummy_BT = jnp.zeros((src_BS.shape[0], positions), jnp.int32)
         self.decoder(encoded_BSD, src_BS, dummy_BT, decode=True)
 
     def __call__(self, src_BS: jax.Array, tgt_BT: jax.Array, *, train: bool = False) -> jax.Array:
