@@ -240,12 +240,20 @@ def test_full_width_beam_is_exhaustive_search(alpha):
     )
 
 
-class _EndNowOrLater(nn.Module):
-    """A decoder that ends at once with P 0.6, or takes word 3 (P 0.4) and then, surely,
-    four more before ending: a longer output that the length penalty favours."""
+class _Scripted(nn.Module):
+    """A model without parameters whose next-token logits (vocabulary 5) depend only on
+    the position: subclasses write them in `decode`."""
 
     def encode(self, src):
         return jnp.zeros((*src.shape, 1))
+
+    def __call__(self, src, tgt):
+        return self.decode(self.encode(src), src, tgt)
+
+
+class _EndNowOrLater(_Scripted):
+    """A decoder that ends at once with P 0.6, or takes word 3 (P 0.4) and then, surely,
+    four more before ending: a longer output that the length penalty favours."""
 
     def decode(self, encoded, src, tgt, decode=False):
         position, token = jnp.arange(tgt.shape[1])[None, :, None], jnp.arange(5)[None, None]
@@ -255,9 +263,6 @@ class _EndNowOrLater(nn.Module):
         last = jnp.where(token == EOS, 0.0, never)
         logits = jnp.where(position == 0, first, jnp.where(position < 5, then, last))
         return jnp.broadcast_to(logits, (*tgt.shape, 5))
-
-    def __call__(self, src, tgt):
-        return self.decode(self.encode(src), src, tgt)
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])
@@ -277,21 +282,15 @@ def test_the_early_stop_waits_for_outputs_the_length_penalty_may_favour(beam_siz
     assert float(scores[0]) == pytest.approx(expected, rel=1e-5)
 
 
-class _PaddingFirst(nn.Module):
+class _PaddingFirst(_Scripted):
     """A decoder that puts padding first at every step, then word 4, and from position 3
     the end token between the two."""
-
-    def encode(self, src):
-        return jnp.zeros((*src.shape, 1))
 
     def decode(self, encoded, src, tgt, decode=False):
         position, token = jnp.arange(tgt.shape[1])[None, :, None], jnp.arange(5)[None, None]
         logits = jnp.where(token == PAD, 0.0, jnp.where(token == 4, -1.0, -1e9))
         logits = jnp.where((token == EOS) & (position >= 3), -0.5, logits)
         return jnp.broadcast_to(logits, (*tgt.shape, 5))
-
-    def __call__(self, src, tgt):
-        return self.decode(self.encode(src), src, tgt)
 
 
 def test_no_search_outputs_padding_however_probable():

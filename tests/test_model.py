@@ -97,12 +97,10 @@ def test_the_embedding_is_scaled_by_sqrt_d_model_plus_positions_then_dropped_out
     # Section 3.4: embedding * sqrt(d_model); 5.4: dropout on the sums with the positional
     # encodings. d_model in place of its root, or no dropout there (the layers' dropout
     # still varied the outputs), passed every other test.
-    from flax import linen as nn
-
     from transformer.model import _Embedding
 
     config = _config(dropout_rate=0.5)
-    layer = _Embedding(config, nn.Embed(VOCAB, config.d_model))
+    layer = _Embedding(config, flax.linen.Embed(VOCAB, config.d_model))
     tokens = jnp.asarray([[5, 9, 0, 3]])
     positions = jnp.arange(4) + 2
     variables = layer.init(jax.random.key(0), tokens, positions, False)
