@@ -430,3 +430,14 @@ def test_inference_batches_keep_every_sentence_whole(full_encoded):
     assert (seen == 1).all()
     assert lengths_seen == sorted(lengths_seen, reverse=True)
     assert shapes <= {*data.batching.INFERENCE_LENGTHS, 384} and 384 in shapes
+
+
+def test_a_sentence_of_exactly_a_padded_length_is_not_padded_further():
+    # One size up would decode 8 tokens as 12 (or 128 as 256): half again the work, no error.
+    lengths = (*data.batching.INFERENCE_LENGTHS, 256, 384)
+    for previous, length in zip((0, *lengths), lengths, strict=False):
+        sentence = np.arange(1, length + 1, dtype=np.int32)
+        [(_, src)] = data.inference_batches([sentence], max_tokens=4096, pad_id=0)
+        assert src.shape == (1, length) and (src[0] == sentence).all()
+        [(_, src)] = data.inference_batches([sentence[: previous + 1]], max_tokens=4096, pad_id=0)
+        assert src.shape == (1, length)
