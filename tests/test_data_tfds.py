@@ -1,12 +1,20 @@
 """The TFDS path, really exercised offline: a TFDS dataset built from a Multi30k slice."""
 
 import socket
+import tempfile
 import time
 
 import pytest
 
 import data
 from data import tfds_source
+
+
+@pytest.fixture(autouse=True)
+def tfds_temporary_folders_in_tmp_path(tmp_path, monkeypatch):
+    # A builder of data not yet prepared makes an empty mkdtemp("tfds") folder that TFDS
+    # never removes (DatasetInfo.initialize_from_bucket): 10 a run were left in /tmp.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 def tfds_spec(folder, tmp_path, **kw):
