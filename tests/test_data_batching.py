@@ -101,7 +101,7 @@ def test_token_cache_is_reused_and_invalidated(multi30k_tokenizer, multi30k_slic
     assert len(list(cache.glob("encoded-*.npz"))) == 5
 
 
-@pytest.mark.parametrize("damage", ["truncated", "empty", "lengths", "header"])
+@pytest.mark.parametrize("damage", ["truncated", "empty", "lengths", "counts", "header"])
 def test_a_damaged_token_cache_is_made_again_with_a_warning(
     damage, multi30k_tokenizer, multi30k_slice, tmp_path, capsys
 ):
@@ -116,6 +116,13 @@ def test_a_damaged_token_cache_is_made_again_with_a_warning(
         with np.load(path) as z:
             arrays = dict(z)
         arrays["src_len"] = arrays["src_len"] + 1
+        with open(path, "wb") as f:
+            np.savez(f, **arrays)
+    elif damage == "counts":  # the last target gone: pairs would be read one source short
+        with np.load(path) as z:
+            arrays = dict(z)
+        arrays["tgt"] = arrays["tgt"][: -arrays["tgt_len"][-1]]
+        arrays["tgt_len"] = arrays["tgt_len"][:-1]
         with open(path, "wb") as f:
             np.savez(f, **arrays)
     elif damage == "header":  # one byte of an array's header, CRC intact: a SyntaxError
