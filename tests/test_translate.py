@@ -92,6 +92,38 @@ def test_translation_is_the_detokenized_search_output(setup):
     assert got == [expected]
 
 
+def test_outputs_end_before_the_end_token(monkeypatch):
+    # The random model never ends within its few steps, so a scripted search does: the end
+    # token, what a finished hypothesis holds after it, and padding are not output ids.
+    eos = 3
+
+    def scripted(model, params, shapes, *, greedy, **options):
+        row = np.array([5, 6, eos, 7, 0])
+        return {shape: lambda params, src: np.tile(row, (len(src), 1)) for shape in shapes}
+
+    monkeypatch.setattr(translate_module, "search_programs", scripted)
+    sources = [[4, 4, eos], [], [9, eos]]
+    out = translate_ids(object(), {}, sources, bos_id=2, eos_id=eos, greedy=True)
+    assert out == [[5, 6], [], [5, 6]]
+
+
+def test_translate_passes_every_search_setting_on(setup, monkeypatch):
+    model, params, tokenizer, sentences = setup
+    calls = []
+
+    def recording(model, params, src_ids, **kw):
+        calls.append(kw)
+        return [[] for _ in src_ids]
+
+    monkeypatch.setattr(translate_module, "translate_ids", recording)
+    settings = dict(
+        greedy=False, beam_size=2, alpha=1.3, max_extra_len=3, max_tokens=77, progress=True
+    )
+    assert translate(model, params, tokenizer, sentences[:2], **settings) == ["", ""]
+    ids = dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    assert calls == [{**settings, **ids}]
+
+
 def test_empty_and_blank_lines_give_empty_outputs(setup):
     model, params, tokenizer, sentences = setup
     lines = ["", sentences[0], "   ", "\t", sentences[1]]  # not a palindrome: order shows
