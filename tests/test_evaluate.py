@@ -716,6 +716,19 @@ def test_a_run_loaded_at_one_step_is_described_by_that_step_once(workdir):
     assert translate.load_run(workdir, checkpoint="last").checkpoint == "step 400 (last)"
 
 
+def test_the_best_checkpoint_is_named_as_the_best_until_it_is_damaged(workdir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(workdir, run)
+    metrics = run / "checkpoints" / "300" / "metrics"
+    metrics.mkdir()
+    (metrics / "metrics").write_text('{"val_bleu": 12.5}')  # as a validation writes it
+    assert translate.load_run(run, checkpoint="best").checkpoint == "step 300 (best)"
+    damage_checkpoint(run / "checkpoints" / "300")
+    assert translate.load_run(run, checkpoint="best").checkpoint == (
+        "step 400 (the newest: the best, step 300, is damaged)"
+    )
+
+
 def _leaf_means(steps, workdir):
     """The elementwise float64 mean of the parameters of `steps`, leaf by leaf."""
     trees = [checkpoints.restore_params(workdir, step)[0] for step in steps]
