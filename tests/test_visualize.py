@@ -41,6 +41,22 @@ def test_cross_attention_weights_are_distributions_over_real_source_tokens():
         np.testing.assert_array_equal(with_last, weights)
         np.testing.assert_array_equal(with_first[:, :, 0], weights[:, :, 0])
         assert not np.allclose(with_first[0, :, 1:], weights[0, :, 1:])
+    # The first row is the query fed bos_id: another start token changes it.
+    other_start = cross_attention_weights(model, params, src, tgt_out, bos_id=4)
+    assert not np.allclose(other_start[0][:, :, 0], layers[0][:, :, 0])
+
+
+def test_the_layers_come_in_the_order_of_their_numbers(monkeypatch):
+    # Sorted as strings, a model of 12 decoder layers had layer_10 drawn as the third.
+    import transformer.visualize as visualize
+
+    sown = {
+        f"layer_{i}": {"cross_attention": {"attention_weights": (np.full(1, i),)}}
+        for i in range(12)
+    }
+    monkeypatch.setattr(visualize, "_intermediates", lambda *args: {"decoder": sown})
+    layers = cross_attention_weights(None, None, np.ones((1, 2)), np.ones((1, 2)), bos_id=2)
+    assert [int(weights[0]) for weights in layers] == list(range(12))
 
 
 def test_plots_are_readable_pngs(tmp_path):
@@ -121,8 +137,10 @@ def test_the_curve_legend_covers_no_plotted_point(monkeypatch):
     records = []
     for step in range(1, 21):  # a training loss through the middle, right edge included
         records.append({"step": step, "loss": 4.0, "elapsed_s": 30.0 * step})
-        if step % 2 == 0:
-            val = {"val_loss": 2.0 + 4 * (step % 4 == 0), "val_bleu": 1.5 * step}
+        if step % 2 == 0:  # a validation loss, and BLEU every other one (--bleu-every)
+            val = {"val_loss": 2.0 + 4 * (step % 4 == 0)} | (
+                {"val_bleu": 1.5 * step} if step % 4 == 0 else {}
+            )
             records.append({"step": step, "elapsed_s": 30.0 * step, **val})
     plot_training_curve(records, "unused.png")
     [fig] = drawn
@@ -133,7 +151,7 @@ def test_the_curve_legend_covers_no_plotted_point(monkeypatch):
     points = np.concatenate(
         [line.get_transform().transform(line.get_xydata()) for ax in fig.axes for line in ax.lines]
     )
-    assert len(points) == 20 + 10 + 10
+    assert len(points) == 20 + 10 + 5  # training loss, validation loss, BLEU
     inside = (box.x0 <= points[:, 0]) & (points[:, 0] <= box.x1)
     inside &= (box.y0 <= points[:, 1]) & (points[:, 1] <= box.y1)
     assert not inside.any(), points[inside]
@@ -171,3 +189,7 @@ def test_a_heatmap_draws_the_mean_of_the_heads_outputs_as_rows(tmp_path, monkeyp
     heads = [np.asarray(ax.images[0].get_array()) for ax in grid.axes if ax.images]
     for head, weights_TS in zip(heads, weights_HTS, strict=True):
         np.testing.assert_allclose(head, weights_TS)
+    # Colours run up to the largest weight drawn: the mean's, and one scale for all heads
+    # (a head on its own scale cannot be compared with the others).
+    assert image.get_clim() == (0.0, weights_HTS.mean(axis=0).max())
+    assert {ax.images[0].get_clim() for ax in grid.axes if ax.images} == {(0.0, weights_HTS.max())}
