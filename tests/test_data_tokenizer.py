@@ -61,9 +61,27 @@ def test_training_is_deterministic(small_corpus, tmp_path, model_type):
     assert data.Tokenizer.load(tmp_path / "a.model").fingerprint == a.fingerprint
 
 
+def test_training_uses_every_sentence_and_character_on_one_thread(small_corpus, tmp_path):
+    # Each setting changes the model without an error: rare characters to bytes (coverage),
+    # another model on a machine of other core count (threads), text rewritten by NFKC.
+    from sentencepiece import sentencepiece_model_pb2 as model_pb2
+
+    data.train_tokenizer(small_corpus.src + small_corpus.tgt, tmp_path / "t.model", vocab_size=400)
+    proto = model_pb2.ModelProto.FromString((tmp_path / "t.model").read_bytes())
+    spec = proto.trainer_spec
+    assert (spec.character_coverage, spec.byte_fallback, spec.num_threads) == (1.0, True, 1)
+    assert (spec.input_sentence_size, spec.shuffle_input_sentence) == (0, False)
+    assert proto.normalizer_spec.name == "identity"
+
+
 def test_load_or_train_reuses_the_run_model(small_corpus, tmp_path):
     first = data.load_or_train_tokenizer(tmp_path, small_corpus, vocab_size=400, model_type="bpe")
     assert first.path == str(tmp_path / "tokenizer.model")
+    # One vocabulary for both languages (the paper's shared source-target vocabulary).
+    joint = small_corpus.src + small_corpus.tgt
+    assert data.train_tokenizer(joint, tmp_path / "joint.model", vocab_size=400).fingerprint == (
+        first.fingerprint
+    )
     other = data.Corpus(src=["x y z"] * 5, tgt=["a b c"] * 5, summary=small_corpus.summary)
     again = data.load_or_train_tokenizer(tmp_path, other, vocab_size=400, model_type="bpe")
     assert again.fingerprint == first.fingerprint  # loaded, not retrained on `other`
