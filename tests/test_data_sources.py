@@ -26,6 +26,7 @@ def test_normalize_folds_spaces_entities_and_invisibles():
     assert data.normalize("Jeans & amp und") == "Jeans & amp und"  # not an entity
     assert data.normalize("AT&T &copy") == "AT&T &copy"  # only the XML entities are unescaped
     assert data.normalize("a\u200bb\ufeff") == "ab"
+    assert data.normalize("a\u2060b") == "ab"  # word joiner
     assert data.normalize("\uff21\uff22 \ufb01") == "AB fi"  # NFKC: full-width, ligature
     assert data.normalize("a\x00b\x1bc") == "abc"
     assert data.normalize(" \t \u00a0 ") == ""
@@ -198,11 +199,12 @@ def test_clean_false_keeps_every_line_for_evaluation(multi30k_slice):
     lines = data.read_lines(d / "train.de")
     lines[3] = "@@"
     lines[4] = ""
+    lines[5] = "Stein\u00a0&amp;  Holz "
     (d / "train.de").write_text("\n".join(lines) + "\n", encoding="utf-8")
     spec = data.CorpusSpec(dataset="files", data_dir=str(d))
     corpus = data.load_corpus(spec, "train", clean=False)
     assert len(corpus.src) == len(corpus.tgt) == 50
-    assert corpus.tgt[3:5] == ["@@", ""]
+    assert corpus.tgt[3:6] == ["@@", "", "Stein & Holz"]  # kept, and normalized all the same
     assert corpus.tgt_path == str(d / "train.de")
     assert corpus.summary.kept == 50 and corpus.summary.skipped == 0
     assert len(data.load_corpus(spec, "train").tgt) == 48
@@ -355,8 +357,8 @@ def test_writers_that_overlap_each_replace_the_file_whole(tmp_path, monkeypatch)
 
 def test_write_text_atomically_leaves_the_old_file_or_the_new_never_half(tmp_path, monkeypatch):
     path = tmp_path / "out" / "hyp.de"
-    data.text.write_text_atomically(path, "eins\n")  # the folder is made
-    assert path.read_text() == "eins\n"
+    data.text.write_text_atomically(path, "Grüße\n")  # the folder is made
+    assert path.read_bytes() == "Grüße\n".encode()  # UTF-8, whatever the locale's encoding
 
     def interrupted(src, dst):
         raise KeyboardInterrupt
@@ -364,6 +366,5 @@ def test_write_text_atomically_leaves_the_old_file_or_the_new_never_half(tmp_pat
     monkeypatch.setattr(data.text.os, "replace", interrupted)
     with pytest.raises(KeyboardInterrupt):
         data.text.write_text_atomically(path, "zwei\n")
-    assert path.read_text() == "eins\n" and sorted(p.name for p in path.parent.iterdir()) == [
-        "hyp.de"
-    ]
+    assert path.read_bytes() == "Grüße\n".encode()
+    assert [p.name for p in path.parent.iterdir()] == ["hyp.de"]
