@@ -107,16 +107,17 @@ def test_workdir_has_everything_evaluation_needs_and_loss_falls(straight_run, ca
 def test_the_checkpoint_with_the_best_validation_bleu_is_kept_and_restored(
     slice_dir, tmp_path, capsys, monkeypatch
 ):
-    scores = iter([5.0, 1.0, 2.0, 3.0])  # validation BLEU at steps 4, 8, 12 and 16
+    scores = iter([5.0, 1.0, 2.0, 3.0])  # validation BLEU at steps 3, 6, 9 and 12
     monkeypatch.setattr(training, "evaluate_bleu", lambda *args, **kwargs: next(scores))
     workdir = tmp_path / "run"
-    extra = ["--steps", "16", "--bleu-every", "4", "--keep-checkpoints", "1"]
+    # A scored step is saved off the --checkpoint-every 4 schedule: the best was lost.
+    extra = ["--steps", "12", "--bleu-every", "3", "--keep-checkpoints", "1"]
     assert train.main(_flags(slice_dir, workdir, *extra)) == 0
-    assert checkpoint_steps(workdir) == [4, 16]  # the last, and the best besides it
-    assert restore_params(workdir, "best")[1] == 4
+    assert checkpoint_steps(workdir) == [3, 12]  # the last, and the best besides it
+    assert restore_params(workdir, "best")[1] == 3
     assert [r["val_bleu"] for r in read_metrics(workdir) if "val_bleu" in r] == [5, 1, 2, 3]
     out, err = capsys.readouterr()
-    assert "best validation BLEU 5.00 at step 4" in out + err
+    assert "best validation BLEU 5.00 at step 3" in out + err
 
 
 def test_resuming_with_more_steps_moves_the_cooldown_to_the_new_end(slice_dir, tmp_path):

@@ -22,8 +22,10 @@ from transformer.training import (
     TrainConfig,
     Trainer,
     create_train_state,
+    evaluate_loss,
     label_smoothed_cross_entropy,
     learning_rate_schedule,
+    make_eval_step,
     make_optimizer,
     make_train_step,
     read_metrics,
@@ -201,6 +203,7 @@ def test_optimizer_is_adam_with_the_papers_betas_and_optional_clipping():
     _, cstate = clipped.update(grads, clipped.init(params), params)
     # Adam (second in the chain) saw the gradient clipped to norm 1: g / 500.
     np.testing.assert_allclose(cstate[1][0].mu["w"], 0.1 * grads["w"] / 500.0, rtol=1e-6)
+    assert TrainConfig(steps=1).label_smoothing == 0.1  # the paper's epsilon_ls
 
 
 def test_replicate_unreplicate_round_trip():
@@ -268,6 +271,13 @@ def test_the_step_loss_is_per_real_target_token_and_nll_is_unsmoothed(tiny_setup
     assert metrics["nll"] == pytest.approx(nll, rel=1e-5)
     assert metrics["loss"] == pytest.approx(smoothed, rel=1e-5)
     assert abs(smoothed - nll) > 10 * 1e-5 * nll  # the two checks tell them apart
+    # The validation figures of the same batch: the same loss and nll (no dropout in either
+    # here), and the perplexity of the nll.
+    eval_step = make_eval_step(model, label_smoothing=0.1, pad_id=tokenizer.pad_id)
+    val = evaluate_loss(eval_step, replicate(state.params), [batch])
+    assert val["val_loss"] == pytest.approx(smoothed, rel=1e-5)
+    assert val["val_nll"] == pytest.approx(nll, rel=1e-5)
+    assert val["val_ppl"] == pytest.approx(math.exp(nll), rel=1e-5)
 
 
 def test_each_step_draws_its_own_dropout_masks(tiny_setup):
@@ -401,7 +411,8 @@ def test_a_resume_past_a_damaged_last_checkpoint_saves_that_step_again(tiny_setu
 def test_a_log_record_holds_the_means_over_its_steps(tiny_setup, tmp_path):
     # One step's loss swings with its batch's sentences; a record averages its window.
     tokenizer, encoded, model_config = tiny_setup
-    config = TrainConfig(steps=12, log_every=4, eval_every=0, checkpoint_every=12, **_RECIPE)
+    # 10 steps, not a multiple of log_every: the last two are a record of their own.
+    config = TrainConfig(steps=10, log_every=4, eval_every=0, checkpoint_every=10, **_RECIPE)
     trainer = Trainer(model_config, config, tmp_path, pad_id=tokenizer.pad_id, progress=False)
     batcher = data.TokenBatcher(
         encoded,
@@ -421,14 +432,25 @@ def test_a_log_record_holds_the_means_over_its_steps(tiny_setup, tmp_path):
             yield batch, state
 
     result = trainer.run(
-        counted(with_data_state(batcher)), 12, check_loss=lambda step, loss: losses.append(loss)
+        counted(with_data_state(batcher)), 10, check_loss=lambda step, loss: losses.append(loss)
     )
     trainer.close()
-    assert len(losses) == 12 and len(set(tokens)) > 1
+    assert len(losses) == 10 and len(set(tokens)) > 1
     records = read_metrics(tmp_path)
-    assert [r["step"] for r in records] == [4, 8, 12]
-    for r, window in zip(records, (slice(0, 4), slice(4, 8), slice(8, 12)), strict=True):
+    assert [r["step"] for r in records] == [4, 8, 10]
+    for r, window in zip(records, (slice(0, 4), slice(4, 8), slice(8, 10)), strict=True):
         weighted = np.dot(losses[window], tokens[window]) / sum(tokens[window])
         np.testing.assert_allclose(r["loss"], weighted, rtol=1e-9)
         assert r["loss"] != losses[window][-1]
     assert result.last_loss == records[-1]["loss"]
+
+
+def test_a_log_window_weighs_losses_by_tokens_and_grad_norms_by_steps():
+    from transformer.training import _LogWindow
+
+    window = _LogWindow()
+    window.add({"loss": 1.0, "nll": 0.5, "num_tokens": 10, "grad_norm": 1.0})
+    window.add({"loss": 3.0, "nll": 2.5, "num_tokens": 30, "grad_norm": 3.0})
+    assert window.means() == {"loss": 2.5, "nll": 2.0, "grad_norm": 2.0}
+    window.add({"loss": 4.0, "nll": 4.0, "num_tokens": 5, "grad_norm": 0.5})
+    assert window.means() == {"loss": 4.0, "nll": 4.0, "grad_norm": 0.5}  # a new window
