@@ -16,6 +16,9 @@ def test_drops_the_quantized_rate_and_keeps_the_expectation():
     assert abs(np.mean(y == 0.0) - 26 / 256) < 2e-3
     np.testing.assert_allclose(np.unique(y), [0.0, 256 / 230], rtol=1e-6)
     assert abs(y.mean() - 1.0) < 3e-3
+    # The smallest rate that is not 0, one level: dropped too, not taken for none.
+    y = np.asarray(dropout(x, 1 / 256, jax.random.key(5)))
+    assert abs(np.mean(y == 0.0) - 1 / 256) < 5e-4  # standard error 6e-5
 
 
 def test_elements_are_dropped_independently():
@@ -56,6 +59,7 @@ def test_module_is_identity_when_deterministic_or_rate_rounds_to_zero():
     rngs = {"dropout": jax.random.key(0)}
     assert Dropout(0.5, deterministic=True).apply({}, x, rngs=rngs) is x
     assert Dropout(0.001).apply({}, x, rngs=rngs) is x  # 0.256 of a level rounds to 0
+    assert Dropout(0.001).apply({}, x) is x  # and takes no random key
     assert np.any(np.asarray(Dropout(0.5).apply({}, x, rngs=rngs)) == 0.0)
 
 

@@ -425,6 +425,14 @@ def test_attention_dropout_is_applied_in_training():
     params = mha.init(jax.random.key(0), x)["params"]
     apply = jax.jit(lambda key: mha.apply({"params": params}, x, train=True, rngs={"dropout": key}))
     assert not np.allclose(apply(jax.random.key(1)), apply(jax.random.key(2)))
+    # The weights it sows (for the plots) are the softmax's, before the dropout.
+    _, sown = mha.apply(
+        {"params": params}, x, train=True, rngs={"dropout": jax.random.key(1)},
+        mutable=["intermediates"],
+    )  # fmt: skip
+    [weights] = sown["intermediates"]["attention_weights"]
+    assert np.all(np.asarray(weights) > 0.0)
+    np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
     without = MultiHeadAttention(config.replace(attention_dropout_rate=0.0))
     np.testing.assert_array_equal(
         mha.apply({"params": params}, x), without.apply({"params": params}, x)
