@@ -109,6 +109,34 @@ def test_bfloat16_operands_keep_float32_gradients(name, product, plain, shapes):
         assert np.any(np.asarray(grad) != np.asarray(_to_bfloat16_values(grad)))
 
 
+@pytest.mark.parametrize("name,product,plain,shapes", CASES[:1] + CASES[3:], ids=IDS[:1] + IDS[3:])
+def test_operands_of_two_dtypes_give_their_common_dtype_and_gradients_of_their_own(
+    name, product, plain, shapes
+):
+    a, b = _operands(shapes)
+    a = a.astype(jnp.bfloat16)  # a library user's mixed inputs (the model promotes first)
+    out, vjp = jax.vjp(product, a, b)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, plain(a.astype(jnp.float32), b), rtol=1e-5, atol=1e-5)
+    grad_a, grad_b = vjp(jnp.ones_like(out))
+    assert (grad_a.dtype, grad_b.dtype) == (jnp.bfloat16, jnp.float32)
+
+
+def test_other_dimension_numbers_or_a_precision_go_to_dot_general_operands_rounded():
+    x, w = _operands([(8, 16, 32), (8, 32, 24)])
+    batched = (((2,), (1,)), ((0,), (0,)))  # a batch dimension: not a dense layer's product
+    out = dense_dot_general(x, w, batched, operand_dtype=jnp.bfloat16)
+    rounded = lax.dot_general(_to_bfloat16_values(x), _to_bfloat16_values(w), batched)
+    np.testing.assert_allclose(out, rounded, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(out - lax.dot_general(x, w, batched))).max() > 1e-3
+    # An explicit precision is kept (on GPUs and TPUs the default is lower than HIGHEST).
+    highest = jax.make_jaxpr(
+        lambda x, w: dense_dot_general(x, w, _DENSE_DIMS, precision=lax.Precision.HIGHEST)
+    )(x, w[0])
+    precisions = [e.params["precision"] for e in highest.eqns if e.primitive.name == "dot_general"]
+    assert precisions == [(lax.Precision.HIGHEST, lax.Precision.HIGHEST)]
+
+
 def _unfused_dots(hlo_text: str) -> list[str]:
     """The dot instructions of compiled HLO that are not inside a fusion (XLA:CPU's Eigen dots)."""
     fused = set(re.findall(r" fusion\(.*calls=%([\w.\-]+)", hlo_text))
