@@ -460,6 +460,9 @@ def test_resuming_with_other_package_versions_warns_and_goes_on(slice_dir, tmp_p
 def test_a_run_config_with_an_emptied_model_section_is_one_line(slice_dir, tmp_path, capsys):
     # It was a KeyError traceback, then a TypeError one.
     assert train.main(_flags(slice_dir, tmp_path, "--steps", "4")) == 0
+    # One checkpoint is enough to hold the run to its settings.
+    assert train.main(["--workdir", str(tmp_path), "--seed", "3", "--steps", "8"]) == 2
+    assert "seed=0 there, 3 now" in capsys.readouterr().err
     config = load_run_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "model": {}}))
     capsys.readouterr()
@@ -543,12 +546,22 @@ def test_cooldown_ends_the_run_at_a_learning_rate_near_zero(slice_dir, tmp_path,
     np.testing.assert_allclose([lr[s] for s in range(1, 9)], expected, rtol=1e-5)
 
 
-def test_resuming_with_another_model_config_is_a_one_line_error(straight_run, capsys):
-    code = train.main(["--workdir", str(straight_run), "--d-model", "64", "--steps", "20"])
+@pytest.mark.parametrize(
+    "flags, difference",
+    [
+        (["--d-model", "64"], "d_model=32 there, 64 now"),
+        (["--preset", "small"], "d_model=32 there, 256 now"),
+    ],
+)
+def test_resuming_with_another_model_config_is_a_one_line_error(
+    straight_run, capsys, flags, difference
+):
+    # A --preset given on a resume was ignored: the run went on with the saved model.
+    code = train.main(["--workdir", str(straight_run), *flags, "--steps", "20"])
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1
-    assert "d_model=32 there, 64 now" in err
+    assert difference in err
 
 
 def test_resuming_with_another_seed_is_a_one_line_error_that_leaves_the_run_resumable(
@@ -586,12 +599,13 @@ def test_resuming_with_fewer_steps_than_done_trains_nothing_and_keeps_the_run_co
     # "steps": 8 into config.json, which a plain resume would then read.
     config = (straight_run / "config.json").read_bytes()
     steps = checkpoint_steps(straight_run)
-    assert train.main(["--workdir", str(straight_run), "--steps", "8"]) == 0
-    out = capsys.readouterr().out
-    assert "already at step 16 of the 8 asked for: nothing to train" in out
-    assert "done:" not in out
-    assert (straight_run / "config.json").read_bytes() == config
-    assert checkpoint_steps(straight_run) == steps == [8, 12, 16]
+    for asked in ("8", "16"):  # 16: the finished run's command, run again
+        assert train.main(["--workdir", str(straight_run), "--steps", asked]) == 0
+        out = capsys.readouterr().out
+        assert f"already at step 16 of the {asked} asked for: nothing to train" in out
+        assert "done:" not in out
+        assert (straight_run / "config.json").read_bytes() == config
+        assert checkpoint_steps(straight_run) == steps == [8, 12, 16]
 
 
 def test_non_finite_loss_exits_1_with_the_step_and_keeps_the_last_checkpoint(
@@ -723,6 +737,7 @@ def test_a_training_split_cleaning_empties_is_a_one_line_error(slice_dir, tmp_pa
         ("--adam-b2", "1", "bad training settings: --adam-b2 must be in [0, 1), got 1.0"),
         ("--max-shapes", "0", "bad data settings: --max-shapes must be >= 1, got 0"),
         ("--max-tokens", "-5", "bad data settings: --max-tokens must be >= 1, got -5"),
+        ("--vocab-size", "0", "bad data settings: --vocab-size must be >= 1, got 0"),
         ("--preset", "Mini", "--preset: unknown preset 'Mini'; choose from base, big, mini, sm"),
     ],
 )
@@ -769,6 +784,7 @@ def test_a_stop_request_before_training_ends_the_run_with_one_line_and_saves_not
     [
         (["--num-processes", "0"], "--num-processes must be >= 1, got 0"),
         (["--num-processes", "2", "--process-id", "3"], "--process-id must be in [0, --num-p"),
+        (["--num-processes", "2", "--process-id", "2"], "--process-id must be in [0, --num-p"),
         (["--process-id", "-1"], "--process-id must be in [0, --num-processes), got -1"),
         (["--coordinator-address", "notahostport"], "--coordinator-address must be HOST:PORT"),
         (["--coordinator-address", "host:1234:5678"], "--coordinator-address must be HOST:PORT"),
@@ -778,6 +794,7 @@ def test_a_stop_request_before_training_ends_the_run_with_one_line_and_saves_not
     ids=[
         "no-processes",
         "id-too-big",
+        "id-equal",
         "id-negative",
         "no-port",
         "two-ports",
@@ -1102,3 +1119,65 @@ def test_a_lock_file_the_last_run_removed_as_it_was_locked_is_not_trusted(tmp_pa
     with train.workdir_locked(tmp_path):
         assert (tmp_path / train.LOCK_FILE).read_text() == f"{os.getpid()}\n"
         assert locked[-1] == os.stat(tmp_path / train.LOCK_FILE).st_ino and len(locked) == 2
+
+
+def _parse(*argv):
+    return train.build_parser().parse_args([str(a) for a in argv])
+
+
+def test_epochs_and_steps_replace_each_other_on_resume():
+    # A resume of a --steps run with --epochs 5 kept the saved steps, which win.
+    saved = {"train": {**train.TRAIN_DEFAULTS, "epochs": None, "steps": 16}}
+    config = train.train_config(_parse("--epochs", "5"), saved)
+    assert (config.steps, config.epochs) == (None, 5)
+    saved = {"train": {**train.TRAIN_DEFAULTS, "epochs": 5, "steps": None}}
+    config = train.train_config(_parse("--steps", "30"), saved)
+    assert (config.steps, config.epochs) == (30, None)
+
+
+def test_epochs_train_that_many_passes_over_the_batches(slice_dir, tmp_path, monkeypatch):
+    asked = {}
+
+    def recording(settings, model_cfg, loaded, total_steps, *args, **kwargs):
+        asked.update(total=total_steps, per_epoch=loaded.batcher.batches_per_epoch)
+
+    monkeypatch.setattr(train, "train_loaded", recording)
+    assert train.main(_flags(slice_dir, tmp_path / "run", "--epochs", "3")) == 0
+    assert asked["per_epoch"] > 1 and asked["total"] == 3 * asked["per_epoch"]
+
+
+def test_data_folders_are_saved_as_absolute_paths(tmp_path, monkeypatch):
+    # A relative --data-dir was saved as given: a resume from another folder lost the data.
+    monkeypatch.chdir(tmp_path)
+    args = _parse("--dataset", "files", "--data-dir", "rel/d", "--tfds-data-dir", "t")
+    settings = train.data_settings(args, None)
+    assert settings["data_dir"] == str(tmp_path / "rel" / "d")
+    assert settings["tfds_data_dir"] == str(tmp_path / "t")
+
+
+def test_max_len_without_the_flag_is_the_chosen_presets(slice_dir, tmp_path):
+    flags = _flags(slice_dir, tmp_path / "run")
+    del flags[flags.index("--max-len") : flags.index("--max-len") + 2]
+    assert train.run_settings(_parse(*flags), print).max_len == 64  # tiny's, not mini's 128
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_ctrl_c_outside_the_stop_handlers_exits_130_with_one_line(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "run", interrupted)
+    assert train.main(["--workdir", "unused"]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("error: interrupted; run the same command") and err.count("\n") == 1
+
+
+def test_a_tokenizer_of_other_data_is_moved_aside_while_no_checkpoint_ties_it(tmp_path):
+    # A run killed before its first checkpoint, started again on another --data-dir.
+    (tmp_path / "tokenizer.model").write_bytes(b"trained on corpus A")
+    saved_data = {**train.DATA_DEFAULTS, "dataset": "files", "data_dir": "/corpora/a"}
+    now = {**saved_data, "data_dir": "/corpora/b"}
+    aside = train.forget_unchecked_tokenizer(tmp_path, {"data": saved_data}, now, print, True)
+    assert aside == tmp_path / "tokenizer.model.old"
+    assert aside.read_bytes() == b"trained on corpus A"
+    assert not (tmp_path / "tokenizer.model").exists()
