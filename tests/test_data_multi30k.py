@@ -20,9 +20,11 @@ class FakeOpener:
     def __init__(self, files: dict[str, bytes]):
         self.files = files
         self.urls: list[str] = []
+        self.timeouts: list[float | None] = []
 
     def __call__(self, url, timeout=None):
         self.urls.append(url)
+        self.timeouts.append(timeout)
         name = url.rsplit("/", 1)[1].removesuffix(".gz")
         return io.BytesIO(gzip.compress(self.files[name]))
 
@@ -70,6 +72,8 @@ def test_download_verifies_and_caches(multi30k_dir, cache, monkeypatch):
     assert corpus.tgt_path == str(cache / "test2016.de")
     data.load_corpus(data.CorpusSpec(), "test2016")
     assert len(opener.urls) == 2  # second use: from the cache
+    # A stalled connection ends in the offline advice, not a train.py that hangs for ever.
+    assert opener.timeouts == [multi30k.TIMEOUT_S] * 2 and 0 < multi30k.TIMEOUT_S <= 300
 
 
 def test_downloads_are_readable_as_the_umask_says(multi30k_dir, cache, monkeypatch):

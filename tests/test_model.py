@@ -530,6 +530,12 @@ def test_a_pad_id_outside_the_vocabulary_is_a_config_error(pad_id):
         _config(pad_id=pad_id)
 
 
+@pytest.mark.parametrize("field", ["dropout_rate", "attention_dropout_rate"])
+def test_a_dropout_rate_that_drops_everything_is_a_config_error(field):
+    with pytest.raises(ValueError, match=rf"^{field} must be in \[0, 1\)"):
+        TransformerConfig.preset("tiny", **{"vocab_size": VOCAB, field: 1.0})
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [
@@ -537,6 +543,7 @@ def test_a_pad_id_outside_the_vocabulary_is_a_config_error(pad_id):
         ("d_model", 32.0, "d_model must be an integer, got 32.0"),
         ("num_heads", True, "num_heads must be an integer, got True"),
         ("share_embeddings", "no", "share_embeddings must be True or False, got 'no'"),
+        ("share_embeddings", 1, "share_embeddings must be True or False, got 1"),
         ("dropout_rate", "0.1", "dropout_rate must be a number, got '0.1'"),
     ],
 )

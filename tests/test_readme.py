@@ -52,13 +52,17 @@ def test_readme_states_the_evaluation_defaults():
 
 def test_readme_states_the_training_defaults():
     import train
+    from transformer import TransformerConfig
 
     start = README.index("**Multi30k, default settings**")
     stated = " ".join(README[start : README.index("```", start)].split())
     t, d = train.TRAIN_DEFAULTS, train.DATA_DEFAULTS
+    m = TransformerConfig.preset(train.DEFAULT_PRESET, vocab_size=d["vocab_size"])
     shape = {"linear": "linearly", "sqrt": "by 1 - sqrt(x)"}[t["cooldown_shape"]]
     for phrase in (
-        f"`{train.DEFAULT_PRESET}` preset",
+        f"`{train.DEFAULT_PRESET}` preset: d_model {m.d_model}, {m.num_heads} heads, "
+        f"d_ff {m.d_ff}, {m.num_encoder_layers}+{m.num_decoder_layers} layers, "
+        f"dropout {m.dropout_rate},",
         f"shared {d['vocab_size']}-piece {d['tokenizer_type'].upper()} vocabulary",
         f"{t['epochs']} epochs",
         f"at most {d['max_tokens']} padded tokens",
