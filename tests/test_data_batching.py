@@ -1,6 +1,8 @@
 """Batching: token cache, bucket shapes, padding efficiency, resume, device independence."""
 
 import json
+import threading
+import time
 import zipfile
 
 import numpy as np
@@ -415,6 +417,119 @@ def test_prefetch_reraises_errors_and_closes():
     next(it)
     it.close()
     assert not it._thread.is_alive()
+
+
+def _next_within(iterator, seconds=5.0):
+    """next(iterator) on a thread: a test failure where it would hang."""
+    out = {}
+
+    def call():
+        try:
+            out["value"] = next(iterator)
+        except BaseException as e:
+            out["error"] = e
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "next() hung"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_prefetch_ends_for_good_after_the_last_item_or_an_error():
+    # A next() after the end waited for ever on the queue of a finished producer.
+    it = data.prefetch(iter(range(2)))
+    assert [_next_within(it), _next_within(it)] == [0, 1]
+    for _ in range(2):
+        with pytest.raises(StopIteration):
+            _next_within(it)
+
+    def broken():
+        raise ValueError("bad batch")
+        yield
+
+    it = data.prefetch(broken())
+    with pytest.raises(ValueError, match="bad batch"):
+        _next_within(it)
+    with pytest.raises(StopIteration):
+        _next_within(it)
+
+
+def test_prefetch_runs_at_most_size_items_ahead():
+    # TokenBatcher is endless: an unbounded queue would fill host memory for the whole run.
+    pulled = 0
+
+    def endless():
+        nonlocal pulled
+        while True:
+            pulled += 1
+            yield pulled
+
+    with data.prefetch(endless(), size=2) as it:
+        time.sleep(0.3)
+        assert pulled <= 2 + 1  # the queue's items and the one waiting to go in
+        next(it)
+        time.sleep(0.2)
+        assert pulled <= 2 + 2
+
+
+# --- shapes of made-up corpora ---
+
+
+def toy_batcher(src, tgt, **kw):
+    corpus = data.EncodedCorpus(src=src, tgt=tgt)
+    return data.TokenBatcher(corpus, pad_id=0, bos_id=1, num_devices=1, **kw)
+
+
+def ids(n):
+    return np.arange(5, 5 + n, dtype=np.int32)
+
+
+def test_a_shape_with_exactly_one_batch_of_pairs_is_kept():
+    # Merged into a larger shape, its pairs would be padded to 32 tokens.
+    pairs = [ids(4)] * 8 + [ids(32)] * 8  # 8 rows each (ROW_MULTIPLE: the fewest a batch has)
+    assert toy_batcher(pairs, pairs, max_tokens=64).shapes == [(8, 4, 4), (8, 32, 32)]
+
+
+def test_a_covering_shape_that_no_pair_needs_is_not_kept():
+    # The longest source and the longest target are in different pairs: a (40, 40) shape
+    # would be one more compiled program that no batch uses.
+    from transformer.training import batch_layout
+
+    src, tgt = [ids(40)] * 8 + [ids(4)] * 8, [ids(4)] * 8 + [ids(40)] * 8
+    b = toy_batcher(src, tgt, max_tokens=8 * 44)
+    assert sorted((S, T) for _, S, T in b.shapes) == [(4, 40), (40, 4)]
+    assert {batch_layout(next(b)) for _ in range(4 * b.batches_per_epoch)} == set(b.array_shapes())
+
+
+def test_batches_per_epoch_is_the_mean_rounded():
+    # 22 pairs in batches of 8 rows: 2.75 batches an epoch on average (carry-over), so 3;
+    # --epochs N trains N x this many steps.
+    pairs = [ids(4)] * 22
+    b = toy_batcher(pairs, pairs, max_tokens=64)
+    assert b.shapes == [(8, 4, 4)] and b.batches_per_epoch == 3
+
+
+def test_shapes_of_as_many_pairs_are_shuffled_each_its_own_way():
+    src = [ids(4)] * 16 + [ids(32)] * 16
+    tgt = [np.concatenate([[100 + i], ids(3)]).astype(np.int32) for i in range(32)]
+    b = toy_batcher(src, tgt, max_tokens=64)
+    orders = {4: [], 32: []}
+    for _ in range(b.batches_per_epoch):
+        batch = next(b)
+        orders[batch["src"].shape[-1]].extend(global_rows(batch, "tgt_out")[:, 0] - 100)
+    assert sorted(orders[4]) == list(range(16)) and sorted(orders[32]) == list(range(16, 32))
+    assert orders[4] != [i - 16 for i in orders[32]]  # not one permutation for both
+
+
+@pytest.mark.parametrize("state", [{"position": 3}, None, {"position": "x", "seed": 0}])
+def test_restore_refuses_a_malformed_state_with_a_data_error(state):
+    # A KeyError traceback where a checkpoint's data state was damaged or of an old version.
+    b = toy_batcher([ids(4)] * 8, [ids(4)] * 8, max_tokens=64)
+    with pytest.raises(data.DataError, match="not a TokenBatcher state"):
+        b.restore(state)
 
 
 # --- inference batches ---
