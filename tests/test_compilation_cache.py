@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -65,6 +66,10 @@ def test_a_program_compiled_in_one_block_is_loaded_in_the_next(tmp_path, cache_e
         second = jax.jit(_program)(x)
     assert cache_events.count(CACHE_HIT) == 1
     assert jnp.array_equal(first, second)
+    # A block with another directory writes there, not into the first block's.
+    with persistent_compilation_cache(tmp_path / "other"):
+        jax.jit(lambda x: _program(x) * 2)(x)
+    assert any((tmp_path / "other").iterdir())
 
 
 def test_the_cache_is_bounded_inside_the_block_and_a_callers_bound_kept(tmp_path):
@@ -150,6 +155,12 @@ def test_default_directory(monkeypatch, tmp_path):
     assert default_cache_dir() == str(Path("~/.cache/transformer-mt/xla").expanduser())
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
     assert default_cache_dir() == str(tmp_path / "jax")
+    monkeypatch.setenv("TRANSFORMER_MT_CACHE", str(tmp_path / "root"))
+    assert default_cache_dir() == str(tmp_path / "jax")  # JAX's own setting wins
+    # A quoted or --compilation-cache=~/xla: under the home folder, not a folder named "~".
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with persistent_compilation_cache("~/xla") as path:
+        assert path == tmp_path / "home" / "xla" and path.is_dir()
 
 
 def test_a_second_training_run_loads_the_first_runs_programs_and_repeats_it(
@@ -278,6 +289,98 @@ def test_a_compile_error_is_raised_at_once_and_no_program_starts_after_it():
         release.set()
     _join_compile_threads()
     assert _logged(log, "started") == [0, 1]
+
+
+def test_no_more_programs_compile_at_once_than_threads_and_the_threads_end():
+    log, lock, running, most = [], threading.Lock(), [0], [0]
+
+    def counted(program):
+        compile_program = program.compile
+
+        def compile():
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.05)
+            with lock:
+                running[0] -= 1
+            return compile_program()
+
+        program.compile = compile
+        return program
+
+    programs = [counted(_Program(i, log)) for i in range(6)]
+    compiled = compile_side_by_side(_lowerings(programs), threads=2)
+    assert compiled == [f"compiled {i}" for i in range(6)] and most[0] <= 2
+    assert {thread for what, _, thread in log if what == "started"} <= {"compile-1", "compile-2"}
+    _join_compile_threads()
+    assert not any(worker.is_alive() for worker in compilation_cache._WORKERS)
+
+
+def test_several_hosts_keep_pythons_exit(monkeypatch):
+    # os._exit on one host of several leaves JAX's coordination service out of step.
+    monkeypatch.setattr(compilation_cache, "_THREADS_ABANDONED", threading.Event())
+    compilation_cache.abandon_threads_at_exit()
+    assert compilation_cache._exits_at_once()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert not compilation_cache._exits_at_once()
+
+
+@pytest.mark.parametrize(
+    "raised, status, err",
+    [
+        (KeyboardInterrupt(), 130, "KeyboardInterrupt"),
+        (ValueError("x"), 1, "ValueError: x"),
+        (SystemExit(2), 2, ""),
+        (SystemExit("error: a line"), 1, "error: a line"),
+        (SystemExit(None), 0, ""),
+    ],
+)
+def test_exiting_at_once_keeps_the_status_python_would_give(
+    monkeypatch, capsys, raised, status, err
+):
+    exits = []
+
+    def os_exit(code):
+        exits.append(code)
+        raise SystemExit  # os._exit would end the test's process
+
+    def main():
+        raise raised
+
+    monkeypatch.setattr(compilation_cache, "_exits_at_once", lambda: True)
+    monkeypatch.setattr(compilation_cache.os, "_exit", os_exit)
+    with pytest.raises(SystemExit):
+        compilation_cache.exit_process(main)
+    assert exits == [status] and err in capsys.readouterr().err
+
+
+# Its compile() takes a second and then writes the file named by the first argument.
+WAITS_FOR_A_COMPILATION = """
+import sys, threading, time
+from transformer.compilation_cache import compile_side_by_side
+class Slow:
+    def compile(self):
+        time.sleep(1.0)
+        open(sys.argv[1], "w").close()
+        return "compiled"
+stop = threading.Event()
+def lower():
+    threading.Timer(0.2, stop.set).start()
+    return Slow()
+assert compile_side_by_side([lower], stop=stop) == [None]
+"""
+
+
+def test_a_plain_python_exit_waits_for_a_compilation_under_way(tmp_path):
+    # Without exit_process, Python's exit must wait for it: XLA aborts a process that ends
+    # under a compiling thread.
+    done = subprocess.run(
+        [sys.executable, "-c", WAITS_FOR_A_COMPILATION, str(tmp_path / "compiled")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "compiled").exists()
 
 
 # A program that takes about 15 s to compile on the 2-core development machine. Its

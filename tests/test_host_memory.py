@@ -73,7 +73,19 @@ def test_scratch_memory_is_reused_instead_of_faulted_in_every_call():
 @glibc
 def test_applies_on_glibc():
     # In a process of its own: the suite's process leaves the setting off (conftest.py).
-    script = "from transformer.host_memory import keep_freed_host_memory as k; print(k())"
+    # glibc's mallopt(3), each call recorded: one heap for every thread (M_ARENA_MAX -8),
+    # none of it from mmap (M_MMAP_MAX -4), never given back (M_TRIM_THRESHOLD -1).
+    script = (
+        "import ctypes\n"
+        "from transformer import host_memory\n"
+        "libc, calls = ctypes.CDLL(None), []\n"
+        "class Recording:\n"
+        "    def mallopt(self, param, value):\n"
+        "        calls.append((param, value))\n"
+        "        return libc.mallopt(param, value)\n"
+        "host_memory.ctypes.CDLL = lambda name: Recording()\n"
+        "print(host_memory.keep_freed_host_memory(), sorted(calls))\n"
+    )
     out = subprocess.run(
         [sys.executable, "-c", script],
         cwd=REPO,
@@ -82,7 +94,7 @@ def test_applies_on_glibc():
         text=True,
         check=True,
     )
-    assert out.stdout == "True\n"
+    assert out.stdout == "True [(-8, 1), (-4, 0), (-1, 2147483647)]\n"
 
 
 # Prints keep_freed_host_memory()'s answer on a faked machine, whatever this one has:
