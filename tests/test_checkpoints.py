@@ -25,7 +25,9 @@ from transformer.checkpoints import (
     average_params,
     checkpoint_steps,
     environment_changes,
+    kept_last,
     load_run_config,
+    name_aside,
     restore_last,
     restore_params,
     save_run_config,
@@ -353,6 +355,9 @@ def test_every_checkpoint_damaged_is_an_error_that_moves_nothing(tmp_path, param
     ):
         ckpts.restore_latest(params, _OPT)
     assert len(warnings) == 2 and "kept as" not in warnings[0] + warnings[1]
+    # Only the newest says another is tried: after the oldest none is left.
+    assert "step 2" in warnings[0] and warnings[0].endswith("; trying the one before it")
+    assert "step 1" in warnings[1] and not warnings[1].endswith("trying the one before it")
     # Left where they are, a rerun does not start over from step 0 as if there were none.
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]
 
@@ -473,6 +478,42 @@ def test_an_average_past_the_kept_last_checkpoints_is_refused(tmp_path, params):
     )
 
 
+def test_an_average_past_a_single_kept_checkpoint_is_refused(tmp_path, params):
+    # keep 1: "--average-last 2" averaged the best, step 2, with the newest.
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model": {}, "train": {"keep_checkpoints": 1}})
+    )
+    assert kept_last(load_run_config(tmp_path)) == 1
+    with Checkpoints(tmp_path, keep=1) as ckpts:
+        ckpts.save(2, params, _OPT, {}, val_bleu=30.0)
+        ckpts.save(4, _shifted(params, 4), _OPT, {}, val_bleu=10.0)
+    assert checkpoint_steps(tmp_path) == [2, 4]
+    with pytest.raises(CheckpointError, match=r"keeps its last 1 \(4\), and 2 only as its best"):
+        restore_last(tmp_path, 2)
+
+
+def test_a_damaged_metrics_file_names_the_last_bleu_logged_for_its_step(tmp_path, params):
+    # A step validated twice (a resume from before it did it again): the second BLEU is the
+    # one its checkpoint was saved with.
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(2, params, _OPT, {}, val_bleu=30.5)
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 2, "val_bleu": 25.0}\n{"step": 2, "val_bleu": 30.5}\n'
+    )
+    (tmp_path / "checkpoints" / "2" / "metrics" / "metrics").write_text("{")
+    with pytest.raises(CheckpointError, match=r'write \{"val_bleu": 30.5\}'):
+        Checkpoints(tmp_path, read_only=True)
+
+
+def test_a_second_folder_set_aside_under_a_name_gets_the_next_number(tmp_path):
+    # A step damaged twice: renamed onto the first one's 8.damaged, the resume failed.
+    assert name_aside(tmp_path / "8", "damaged") == tmp_path / "8.damaged"
+    (tmp_path / "8.damaged").mkdir()
+    assert name_aside(tmp_path / "8", "damaged") == tmp_path / "8.damaged.2"
+    (tmp_path / "8.damaged.2").mkdir()
+    assert name_aside(tmp_path / "8", "damaged") == tmp_path / "8.damaged.3"
+
+
 def test_checkpoints_of_different_shapes_are_not_averaged(tmp_path, params):
     # A step folder of another model copied in: a NumPy broadcasting traceback before.
     with Checkpoints(tmp_path, keep=3) as ckpts:
@@ -548,6 +589,9 @@ def test_run_config_round_trip_and_missing(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_run_config(tmp_path / "nope")
     with pytest.raises(CheckpointError, match="config.json is missing"):
+        load_run_config(tmp_path)
+    (tmp_path / "config.json").write_text('{"data": {}, "train": {}}')  # a KeyError later
+    with pytest.raises(CheckpointError, match="has no 'model' section"):
         load_run_config(tmp_path)
     config = {"model": {"d_model": 32}, "data": {"src": "en"}, "train": {"steps": 2}}
     save_run_config(tmp_path, config)
