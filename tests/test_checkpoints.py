@@ -479,7 +479,7 @@ def test_an_average_past_the_kept_last_checkpoints_is_refused(tmp_path, params):
 
 
 def test_an_average_past_a_single_kept_checkpoint_is_refused(tmp_path, params):
-    # keep 1: "--average-last 2" averaged the best, step 2, with the newest.
+    # keep 1: "--average-last 2" would average the best, step 2, with the newest.
     (tmp_path / "config.json").write_text(
         json.dumps({"model": {}, "train": {"keep_checkpoints": 1}})
     )
@@ -506,7 +506,7 @@ def test_a_damaged_metrics_file_names_the_last_bleu_logged_for_its_step(tmp_path
 
 
 def test_a_second_folder_set_aside_under_a_name_gets_the_next_number(tmp_path):
-    # A step damaged twice: renamed onto the first one's 8.damaged, the resume failed.
+    # A step damaged twice: renamed onto the first one's 8.damaged, the resume would fail.
     assert name_aside(tmp_path / "8", "damaged") == tmp_path / "8.damaged"
     (tmp_path / "8.damaged").mkdir()
     assert name_aside(tmp_path / "8", "damaged") == tmp_path / "8.damaged.2"

@@ -439,7 +439,7 @@ def _next_within(iterator, seconds=5.0):
 
 
 def test_prefetch_ends_for_good_after_the_last_item_or_an_error():
-    # A next() after the end waited for ever on the queue of a finished producer.
+    # A next() after the end must not wait for ever on the queue of a finished producer.
     it = data.prefetch(iter(range(2)))
     assert [_next_within(it), _next_within(it)] == [0, 1]
     for _ in range(2):
@@ -526,7 +526,7 @@ def test_shapes_of_as_many_pairs_are_shuffled_each_its_own_way():
 
 @pytest.mark.parametrize("state", [{"position": 3}, None, {"position": "x", "seed": 0}])
 def test_restore_refuses_a_malformed_state_with_a_data_error(state):
-    # A KeyError traceback where a checkpoint's data state was damaged or of an old version.
+    # Not a KeyError traceback where a checkpoint's data state is damaged or of an old version.
     b = toy_batcher([ids(4)] * 8, [ids(4)] * 8, max_tokens=64)
     with pytest.raises(data.DataError, match="not a TokenBatcher state"):
         b.restore(state)

@@ -41,5 +41,5 @@ def test_an_out_of_memory_error_of_several_lines_is_its_first():
     ],
 )
 def test_resource_exhausted_from_elsewhere_than_xla_is_not_out_of_memory(error):
-    # A full disk told to lower the batch size.
+    # Else a full disk would be told to lower the batch size.
     assert out_of_memory_line(error, "lower --max-tokens") is None

@@ -110,7 +110,7 @@ def test_the_checkpoint_with_the_best_validation_bleu_is_kept_and_restored(
     scores = iter([5.0, 1.0, 2.0, 3.0])  # validation BLEU at steps 3, 6, 9 and 12
     monkeypatch.setattr(training, "evaluate_bleu", lambda *args, **kwargs: next(scores))
     workdir = tmp_path / "run"
-    # A scored step is saved off the --checkpoint-every 4 schedule: the best was lost.
+    # A scored step is saved off the --checkpoint-every 4 schedule, or the best is lost.
     extra = ["--steps", "12", "--bleu-every", "3", "--keep-checkpoints", "1"]
     assert train.main(_flags(slice_dir, workdir, *extra)) == 0
     assert checkpoint_steps(workdir) == [3, 12]  # the last, and the best besides it
@@ -556,7 +556,7 @@ def test_cooldown_ends_the_run_at_a_learning_rate_near_zero(slice_dir, tmp_path,
 def test_resuming_with_another_model_config_is_a_one_line_error(
     straight_run, capsys, flags, difference
 ):
-    # A --preset given on a resume was ignored: the run went on with the saved model.
+    # A --preset given on a resume is not ignored (the run would go on with the saved model).
     code = train.main(["--workdir", str(straight_run), *flags, "--steps", "20"])
     err = capsys.readouterr().err
     assert code == 2
@@ -1126,7 +1126,7 @@ def _parse(*argv):
 
 
 def test_epochs_and_steps_replace_each_other_on_resume():
-    # A resume of a --steps run with --epochs 5 kept the saved steps, which win.
+    # --epochs on a resume of a --steps run replaces the saved steps, which would win.
     saved = {"train": {**train.TRAIN_DEFAULTS, "epochs": None, "steps": 16}}
     config = train.train_config(_parse("--epochs", "5"), saved)
     assert (config.steps, config.epochs) == (None, 5)
@@ -1147,7 +1147,7 @@ def test_epochs_train_that_many_passes_over_the_batches(slice_dir, tmp_path, mon
 
 
 def test_data_folders_are_saved_as_absolute_paths(tmp_path, monkeypatch):
-    # A relative --data-dir was saved as given: a resume from another folder lost the data.
+    # Saved as given, a relative --data-dir would be lost to a resume from another folder.
     monkeypatch.chdir(tmp_path)
     args = _parse("--dataset", "files", "--data-dir", "rel/d", "--tfds-data-dir", "t")
     settings = train.data_settings(args, None)

@@ -47,7 +47,7 @@ def test_cross_attention_weights_are_distributions_over_real_source_tokens():
 
 
 def test_the_layers_come_in_the_order_of_their_numbers(monkeypatch):
-    # Sorted as strings, a model of 12 decoder layers had layer_10 drawn as the third.
+    # Sorted as strings, a model of 12 decoder layers would have layer_10 drawn third.
     import transformer.visualize as visualize
 
     sown = {
