@@ -47,6 +47,11 @@ def _flags(slice_dir, workdir, *extra):
     ]  # fmt: skip
 
 
+def _parse(*argv):
+    """train.py's flags as it parses them (argv items may be paths)."""
+    return train.build_parser().parse_args([str(a) for a in argv])
+
+
 def _sigterm_after_step(step, monkeypatch):
     """Sends this process a SIGTERM once training reaches `step` (before its logging and
     saving), as a scheduler would."""
@@ -431,14 +436,13 @@ def test_without_workdir_a_run_goes_to_runs_corpus_src_tgt_and_resumes_from_ther
 
 
 def test_default_workdir_names_the_corpus():
-    parse = train.build_parser().parse_args
-    assert train.default_workdir(parse([])) == Path("runs/multi30k_en_de")
-    assert train.default_workdir(parse(["--src", "de", "--tgt", "en"])) == Path(
+    assert train.default_workdir(_parse()) == Path("runs/multi30k_en_de")
+    assert train.default_workdir(_parse("--src", "de", "--tgt", "en")) == Path(
         "runs/multi30k_de_en"
     )
-    files = parse(["--dataset", "files", "--data-dir", "corpora/europarl", "--src", "fr"])
+    files = _parse("--dataset", "files", "--data-dir", "corpora/europarl", "--src", "fr")
     assert train.default_workdir(files) == Path("runs/europarl_fr_de")
-    tfds = parse(["--dataset", "tfds", "--tfds-name", "wmt14_translate/de-en:1.0.0"])
+    tfds = _parse("--dataset", "tfds", "--tfds-name", "wmt14_translate/de-en:1.0.0")
     assert train.default_workdir(tfds) == Path("runs/wmt14_translate_en_de")
 
 
@@ -1001,9 +1005,7 @@ def test_an_unwritable_workdir_is_a_one_line_error(slice_dir, tmp_path, capsys):
 
 
 def test_the_summary_counts_the_validation_lines_scored_for_bleu(slice_dir, tmp_path):
-    settings = train.data_settings(
-        train.build_parser().parse_args(_flags(slice_dir, tmp_path)), None
-    )
+    settings = train.data_settings(_parse(*_flags(slice_dir, tmp_path)), None)
     for limit, count in ((None, "24 lines"), (8, "the first 8 of its 24 lines"), (30, "24 lines")):
         loaded = train.load_training_data(tmp_path, settings, 64, 0, print, limit)
         assert loaded.summary[-1].endswith(f"loss batches, {count} for BLEU")
@@ -1013,7 +1015,7 @@ def test_the_summary_counts_the_validation_lines_scored_for_bleu(slice_dir, tmp_
 def test_a_token_budget_below_the_fewest_rows_a_batch_has_is_a_warning(
     slice_dir, tmp_path, max_tokens, over
 ):
-    args = train.build_parser().parse_args(_flags(slice_dir, tmp_path, "--max-tokens", max_tokens))
+    args = _parse(*_flags(slice_dir, tmp_path, "--max-tokens", max_tokens))
     loaded = train.load_training_data(
         tmp_path, train.data_settings(args, None), 64, 0, lambda line: None
     )
@@ -1119,10 +1121,6 @@ def test_a_lock_file_the_last_run_removed_as_it_was_locked_is_not_trusted(tmp_pa
     with train.workdir_locked(tmp_path):
         assert (tmp_path / train.LOCK_FILE).read_text() == f"{os.getpid()}\n"
         assert locked[-1] == os.stat(tmp_path / train.LOCK_FILE).st_ino and len(locked) == 2
-
-
-def _parse(*argv):
-    return train.build_parser().parse_args([str(a) for a in argv])
 
 
 def test_epochs_and_steps_replace_each_other_on_resume():
