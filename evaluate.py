@@ -115,8 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=argparse.SUPPRESS,
         metavar="K",
-        help=f"average the parameters of the last K checkpoints [{DEFAULT_AVERAGE_LAST}, or all "
-        "the run has if fewer; scored best on Multi30k val, README]",
+        help=f"average the parameters of the last K checkpoints [{DEFAULT_AVERAGE_LAST}, or the "
+        "recent ones the run keeps if fewer; scored best on Multi30k val, README]",
     )
     search = p.add_argument_group("search")
     search.add_argument(
