@@ -140,6 +140,21 @@ def test_keeps_last_k_plus_best_and_finds_best(tmp_path, params):
         restore_params(tmp_path, 4)
 
 
+def test_of_tied_best_scores_the_newest_is_best_and_is_the_one_kept(tmp_path, params):
+    # Orbax's BestN keeps the newest of tied scores; "best" named the same step before the
+    # tied older one was rotated out and after, so --checkpoint best did not move with it.
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        for step, bleu in [(1, 5.0), (2, 4.0), (3, 5.0)]:
+            ckpts.save(step, _shifted(params, step), _OPT, {}, val_bleu=bleu)
+        assert ckpts.steps() == [1, 2, 3] and ckpts.best_step() == 3
+        for step in (4, 5, 6):
+            ckpts.save(step, params, _OPT, {})
+        assert ckpts.steps() == [3, 4, 5, 6] and ckpts.best_step() == 3
+    best, step = restore_params(tmp_path, "best")
+    assert step == 3
+    np.testing.assert_array_equal(jax.tree.leaves(best)[0], jax.tree.leaves(_shifted(params, 3))[0])
+
+
 def test_saving_a_step_that_is_saved_already_keeps_the_first(tmp_path, params):
     # A run that ends on a checkpoint step saves it twice (the schedule's, then the end's);
     # Orbax itself refuses a second save of a step.

@@ -497,8 +497,9 @@ class Checkpoints:
         with _quiet_orbax():
             options = ocp.CheckpointManagerOptions(
                 preservation_policy=None if read_only else policy,
+                # best_fn makes Orbax write each save's metrics; which step is best is
+                # BestN's choice above and `best_step`'s (the newest of tied scores).
                 best_fn=_best_metric,
-                best_mode="max",
                 enable_async_checkpointing=async_save and not read_only,
                 read_only=read_only,
                 create=not read_only,
@@ -520,7 +521,8 @@ class Checkpoints:
         return self._manager.latest_step()
 
     def best_step(self) -> int | None:
-        """The step with the highest `val_bleu`, or None if no checkpoint has one."""
+        """The step with the highest `val_bleu` (the newest of tied ones, which BestN keeps),
+        or None if no checkpoint has one."""
         steps = self.steps()
         scored = [(s, self._manager.metrics(s)) for s in steps]
         scored = [(_best_metric(m), s) for s, m in scored if m and BEST_METRIC in m]
