@@ -27,10 +27,13 @@ The training curve (loss and validation BLEU against time, from metrics.jsonl)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -42,7 +45,7 @@ from data import CorpusSpec, DataError, decode_lines, load_corpus, read_aligned_
 from data.batching import inference_length
 from data.errors import os_error_line, out_of_memory_line
 from data.text import is_written_in_place, write_text_atomically
-from transformer.checkpoints import CONFIG_FILE, CheckpointError, is_run_file
+from transformer.checkpoints import CONFIG_FILE, CheckpointError, is_run_file, load_run_config
 from transformer.compilation_cache import (
     EMPTY_CACHE_FLAG,
     exit_process,
@@ -62,9 +65,22 @@ DEFAULT_BEAM, DEFAULT_ALPHA = 5, 1.25
 DEFAULT_MAX_EXTRA_LEN, DEFAULT_MAX_TOKENS, DEFAULT_PLOT_DIR = 50, 4096, "attention_plots"
 
 
+def _to_stdout(output: str | None) -> bool:
+    """Whether --output is standard output: "-", or a name of the file stdout writes to
+    (/dev/stdout; the file a shell sent stdout to). That file is written through stdout,
+    as "-" is, with the scores to stderr: replacing it would take it from the shell's
+    redirect (the scores then lost), and opening it anew would cut off what came before."""
+    if output is None or output == STDOUT:
+        return output == STDOUT
+    try:
+        return os.path.samestat(os.stat(output), os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError, AttributeError):  # no such file; no stdout file
+        return False
+
+
 def _output_file(args: argparse.Namespace) -> str | None:
-    """The file --output names, if it names one (not "-")."""
-    return args.output if args.output != STDOUT else None
+    """The file --output names, if it names one other than standard output."""
+    return None if _to_stdout(args.output) else args.output
 
 
 class _Parser(argparse.ArgumentParser):
@@ -101,8 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--output",
-        help="write the translations here, one per input line ('-': to stdout, the scores "
-        "then to stderr)",
+        help="write the translations here, one per input line ('-' or /dev/stdout: to stdout, "
+        "the scores then to stderr)",
     )
     model = p.add_argument_group("parameters")
     model.add_argument(
@@ -218,8 +234,16 @@ def _check_args(args: argparse.Namespace) -> None:
             "--src-file alone would translate into nothing: add --output FILE (or --ref-file "
             "to score the translations; --translate --input FILE prints them)"
         )
-    if args.output == STDOUT and args.translate:
-        raise UsageError("--translate prints the translations already: drop --output -")
+    if args.translate and _to_stdout(args.output):
+        raise UsageError(
+            f"--translate prints the translations already: drop --output {args.output}"
+        )
+    if args.plot_dir != DEFAULT_PLOT_DIR and not args.plot_attention:
+        raise UsageError(
+            "--plot-dir is where --plot-attention N writes: add it, or drop --plot-dir"
+        )
+    if args.plot_heads and not args.plot_attention:
+        raise UsageError("--plot-heads adds to --plot-attention N's plots: add it, or drop it")
     if args.input and not args.translate:
         raise UsageError("--input goes with --translate (use --src-file to score a file)")
     for name in ("beam", "max_tokens"):
@@ -240,9 +264,10 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def load_sources_and_references(
-    args: argparse.Namespace, run: Run
+    args: argparse.Namespace, workdir: str
 ) -> tuple[list[str], list[str] | None, str]:
-    """The sentences to translate, the raw references (None if there are none), and a name."""
+    """The sentences to translate, the raw references (None if there are none), and a name;
+    a --split is read from the corpus of `workdir`'s run."""
     if args.translate:
         if args.input:
             return read_lines(args.input), None, args.input
@@ -257,7 +282,7 @@ def load_sources_and_references(
         if not sources:  # sacreBLEU fails on an empty corpus with an IndexError
             raise DataError(f"{args.src_file} and {args.ref_file} are empty: nothing to score")
         return sources, references, args.src_file
-    spec = CorpusSpec.from_settings(run.config.get("data") or {})
+    spec = CorpusSpec.from_settings(load_run_config(workdir).get("data") or {})
     if spec.data_dir and not Path(spec.data_dir).is_dir():
         raise DataError(
             f"the run's data directory {spec.data_dir} (its {CONFIG_FILE}) is not there; "
@@ -452,25 +477,60 @@ def main(
 ) -> int:
     """The command line; `load` gives the parameters to decode with (benchmarks/soup.py's own)."""
     args = parse_args(argv)
-    with persistent_compilation_cache(
-        args.compilation_cache,
-        enabled=not args.no_compilation_cache,
+    with (
+        persistent_compilation_cache(args.compilation_cache, enabled=not args.no_compilation_cache),
+        _recorded_interrupts() as interrupted,
     ):
-        return _evaluate(args, load)
+        return _evaluate(args, load, interrupted)
 
 
-def _evaluate(args: argparse.Namespace, load: Callable[[argparse.Namespace], Run]) -> int:
+class _Interrupts:
+    """A SIGINT handler that raises KeyboardInterrupt, as Python's own does, and records it:
+    Python drops what a garbage-collection callback raises (JAX runs one often), so a
+    Ctrl-C can vanish; `check` raises it again, before anything is written."""
+
+    def __init__(self):
+        self.seen = False
+
+    def __call__(self, signum, frame):
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.seen:
+            raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _recorded_interrupts():
+    """`_Interrupts` as the SIGINT handler inside (in the main thread: only it sets one)."""
+    interrupts = _Interrupts()
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupts
+        return
+    previous = signal.signal(signal.SIGINT, interrupts)
+    try:
+        yield interrupts
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _evaluate(
+    args: argparse.Namespace, load: Callable[[argparse.Namespace], Run], interrupted: _Interrupts
+) -> int:
     """main's work once flags are parsed; errors become `error: ...` lines and status 2."""
     src_ids: list[list[int]] = []
+    written = False
     try:
         _check_args(args)
         _check_output_places(args)
         if args.plot_curve:
             return plot_curve(args.workdir, args.plot_curve)
+        # The inputs first: a wrong file is found before the checkpoints are read.
+        sources, references, name = load_sources_and_references(args, args.workdir)
         run = load(args)
-        sources, references, name = load_sources_and_references(args, run)
         # Where the translations go to stdout, the scores go to stderr, out of their way.
-        to_stdout = args.translate or args.output == STDOUT
+        to_stdout = args.translate or _to_stdout(args.output)
         log = print if not to_stdout else lambda *a: print(*a, file=sys.stderr)
         search = "greedy" if args.greedy else f"beam {args.beam}, alpha {args.alpha}"
         print(
@@ -496,9 +556,11 @@ def _evaluate(args: argparse.Namespace, load: Callable[[argparse.Namespace], Run
             progress=not args.no_progress,
         )
         hypotheses = detokenize(tok, hyp_ids)
+        interrupted.check()  # a Ctrl-C that JAX's garbage-collection callback swallowed
         print(f"decoded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
         if _output_file(args):
             write_text_atomically(args.output, "".join(h + "\n" for h in hypotheses))
+            written = True
         if to_stdout:
             sys.stdout.write("".join(h + "\n" for h in hypotheses))
         if references is not None:
@@ -520,7 +582,11 @@ def _evaluate(args: argparse.Namespace, load: Callable[[argparse.Namespace], Run
         print(f"error: {line}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted; --output is written only once decoding is done", file=sys.stderr)
+        output = None if written else _output_file(args)
+        print(
+            f"interrupted; --output {output} was not written" if output else "interrupted",
+            file=sys.stderr,
+        )
         return 130
     return 0
 

@@ -158,11 +158,32 @@ def decode_lines(raw: bytes, name: str) -> list[str]:
     return [line[:-1] if line.endswith("\r") else line for line in lines]
 
 
+# Names of a file that a process has open: /dev/stdout, /dev/fd/N, /proc/self/fd/N.
+_DESCRIPTOR_NAME_RE = re.compile(r"/dev/(stdin|stdout|stderr|fd/\d+)|/proc/(self|\d+)/fd/\d+")
+
+
+def names_an_open_file(path: str | os.PathLike) -> bool:
+    """Whether `path`, or a link on the way from it, is a name such as /dev/stdout or
+    /dev/fd/N for a file a process has open: where a shell sent that output to a regular
+    file (`> log`, `>> log`), replacing the file would take it from the shell's output,
+    and opening it to write anew would cut off what was written to it before."""
+    path, seen = Path(os.path.abspath(path)), set()
+    while path not in seen:
+        if _DESCRIPTOR_NAME_RE.fullmatch(str(path)):
+            return True
+        if not path.is_symlink():
+            return False
+        seen.add(path)
+        path = Path(os.path.abspath(path.parent / os.readlink(path)))
+    return False  # a loop of links
+
+
 def is_written_in_place(path: str | os.PathLike) -> bool:
     """Whether `write_text_atomically` writes straight into `path`: something that is
-    there and is not a regular file (a device such as /dev/stdout, a pipe, or a link to one)."""
+    there and is not a regular file (a device, a pipe, or a link to one), or a name of
+    an open file such as /dev/stdout (`names_an_open_file`)."""
     path = Path(path)
-    return path.exists() and not path.is_file()
+    return path.exists() and (not path.is_file() or names_an_open_file(path))
 
 
 def write_text_atomically(path: str | os.PathLike, text: str) -> None:
@@ -170,14 +191,21 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     beside it, so that an interrupted write leaves the old file or none, never half.
 
     A symbolic link is written through, to the file it points to, which keeps its
-    permissions. Something there that is not a regular file, such as /dev/stdout or
-    a pipe, is written to directly: it cannot be replaced, and must not be.
+    permissions. Something there that is not a regular file, such as a pipe, is
+    written to directly: it cannot be replaced, and must not be. So is a name of an
+    open file such as /dev/stderr, appended to: what was written there before stays.
 
     Raises:
       OSError: the file cannot be written; its filename is `path`, not the
         temporary file's.
     """
-    write_atomically(path, lambda f: Path(f).write_text(text, encoding="utf-8"))
+    mode = "a" if names_an_open_file(path) else "w"
+
+    def write(file: Path) -> None:
+        with open(file, mode, encoding="utf-8") as f:
+            f.write(text)
+
+    write_atomically(path, write)
 
 
 def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -> None:

@@ -338,6 +338,23 @@ def test_write_text_atomically_writes_through_links_and_into_pipes(tmp_path):
         assert e.value.filename == "/dev/full"
 
 
+@pytest.mark.skipif(not os.path.isdir("/dev/fd"), reason="needs /dev/fd")
+def test_a_name_of_an_open_file_is_appended_to_not_replaced(tmp_path):
+    # `--output /dev/stderr 2>> log`: the log was replaced, all it held before lost, and
+    # the shell's redirect went on into the file taken away.
+    log = tmp_path / "log.txt"
+    log.write_text("before\n")
+    link = tmp_path / "out"
+    with open(log, "a") as f:
+        link.symlink_to(f"/dev/fd/{f.fileno()}")
+        assert data.text.names_an_open_file(link) and data.text.is_written_in_place(link)
+        data.text.write_text_atomically(f"/dev/fd/{f.fileno()}", "one\n")
+        data.text.write_text_atomically(link, "two\n")
+        f.write("three\n")  # the redirect still writes into the same file
+    assert log.read_text() == "before\none\ntwo\nthree\n"
+    assert not data.text.names_an_open_file(log) and not data.text.is_written_in_place(log)
+
+
 def test_writers_that_overlap_each_replace_the_file_whole(tmp_path, monkeypatch):
     # Hosts sharing a workdir write the tokenizer at once, often with one process id.
     monkeypatch.setattr(data.text.os, "getpid", lambda: 7)

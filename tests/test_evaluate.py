@@ -1,12 +1,14 @@
 """evaluate.py end to end on a tiny workdir: sacreBLEU agreement, --translate, plots, errors."""
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -268,7 +270,56 @@ def test_ctrl_c_while_decoding_is_one_line_exit_130_and_no_output(
     hyp = tmp_path / "hyp.de"
     code, out, err = _run(["--workdir", workdir, "--split", "val", *FAST, "--output", hyp], capsys)
     assert code == 130 and out == "" and not hyp.exists()
-    assert err.splitlines()[-1] == "interrupted; --output is written only once decoding is done"
+    assert err.splitlines()[-1] == f"interrupted; --output {hyp} was not written"
+
+
+def test_a_ctrl_c_that_python_dropped_still_stops_before_the_output_is_written(
+    workdir, tmp_path, capsys, monkeypatch
+):
+    # Python drops what a garbage-collection callback raises, and JAX runs one: 4 of 19
+    # Ctrl-Cs went so, decoding went on, overwrote --output and exited 0.
+    def ctrl_c_dropped(model, params, src_ids, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(200):  # the handler runs between bytecodes, soon
+                time.sleep(0.01)
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("SIGINT did not raise KeyboardInterrupt")
+        return [[] for _ in src_ids]
+
+    monkeypatch.setattr(evaluate, "translate_ids", ctrl_c_dropped)
+    hyp = tmp_path / "hyp.de"
+    hyp.write_text("the translations of before\n", encoding="utf-8")
+    code, out, err = _run(["--workdir", workdir, "--split", "val", *FAST, "--output", hyp], capsys)
+    assert code == 130 and out == "", err
+    assert err.splitlines()[-1] == f"interrupted; --output {hyp} was not written"
+    assert hyp.read_text(encoding="utf-8") == "the translations of before\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+
+def test_output_to_dev_stdout_is_written_through_stdout_with_the_scores_on_stderr(
+    workdir, tmp_path, repo_root
+):
+    # Through a pipe the scores came after the translations; with stdout sent to a file
+    # (`>> log`), that file was replaced: what it held before and the scores were lost.
+    src, ref = tmp_path / "src.en", tmp_path / "ref.de"
+    src.write_text("A man rides a bike.\nTwo dogs play.\n", encoding="utf-8")
+    ref.write_text("Ein Mann fährt Rad.\nZwei Hunde spielen.\n", encoding="utf-8")
+    argv = [sys.executable, "evaluate.py", "--workdir", workdir, "--src-file", src]
+    argv += ["--ref-file", ref, "--greedy", *FAST[2:], "--output", "/dev/stdout"]
+    argv = [str(a) for a in argv]
+    piped = subprocess.run(argv, cwd=repo_root, capture_output=True, text=True)
+    assert piped.returncode == 0, piped.stderr
+    assert len(piped.stdout.splitlines()) == 2 and "BLEU|" in piped.stderr, piped.stdout
+    log = tmp_path / "log.txt"
+    log.write_text("what the log held before\n", encoding="utf-8")
+    with open(log, "a", encoding="utf-8") as appended:
+        result = subprocess.run(argv, cwd=repo_root, stdout=appended, stderr=subprocess.PIPE)
+    assert result.returncode == 0, result.stderr
+    assert log.read_text(encoding="utf-8") == "what the log held before\n" + piped.stdout
+    assert b"BLEU|" in result.stderr
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
@@ -425,6 +476,14 @@ def test_training_curve_path_errors_name_the_path(name, message, workdir, tmp_pa
         (["--workdir", "{workdir}", "--split", "val", "--alpha", "nan"], "finite number >= 0"),
         (["--workdir", "{workdir}", "--split", "val", "--alpha", "-1"], "finite number >= 0"),
         (["--workdir", "{workdir}", "--split", "val", "--checkpoint", "\u00b2"], "a step number"),
+        (
+            ["--workdir", "{workdir}", "--split", "val", "--plot-dir", "{empty_dir}"],
+            "--plot-dir is where --plot-attention N writes: add it, or drop --plot-dir",
+        ),
+        (
+            ["--workdir", "{workdir}", "--split", "val", "--plot-heads"],
+            "--plot-heads adds to --plot-attention N's plots",
+        ),
         (["--workdir", "{src}", "--split", "val"], "workdir {src} is a file, not a directory"),
         (["--workdir", "{src}", "--plot-curve", "{ref}.png"], "{src} is a file, not a directory"),
         (
@@ -445,6 +504,8 @@ def test_training_curve_path_errors_name_the_path(name, message, workdir, tmp_pa
         "alpha-nan",
         "alpha-negative",
         "checkpoint-superscript-digit",
+        "plot-dir-without-plots",
+        "plot-heads-without-plots",
         "workdir-is-a-file",
         "curve-workdir-is-a-file",
         "curve-workdir-without-metrics",
@@ -473,12 +534,19 @@ def test_user_errors_are_one_line_and_exit_2(argv, message, workdir, tmp_path, c
     assert message.format(**paths) in err, err
 
 
+def _run_config(workdir: Path, **sections) -> Path:
+    """A workdir holding only a config.json of these sections (a model section added)."""
+    workdir.mkdir()
+    (workdir / "config.json").write_text(json.dumps({"model": {}, **sections}))
+    return workdir
+
+
 def test_an_empty_split_is_an_error_not_a_crash(tmp_path):
     # sacreBLEU raises IndexError on an empty corpus; the split's files are named instead.
     for lang in ("en", "de"):
         (tmp_path / f"test2016.{lang}").write_bytes(b"")
-    run = SimpleNamespace(config={"data": {"dataset": "files", "data_dir": str(tmp_path)}})
-    args = evaluate.parse_args(["--workdir", "unused", "--split", "test2016"])
+    run = _run_config(tmp_path / "run", data={"dataset": "files", "data_dir": str(tmp_path)})
+    args = evaluate.parse_args(["--workdir", str(run), "--split", "test2016"])
     with pytest.raises(
         data.DataError, match="split test2016 is empty .*test2016.en and .*test2016.de"
     ):
@@ -487,6 +555,23 @@ def test_an_empty_split_is_an_error_not_a_crash(tmp_path):
 
 def _no_decoding(args):
     raise AssertionError("a bad output place must be reported before the model is loaded")
+
+
+def test_input_mistakes_are_found_before_the_checkpoints_are_read(tmp_path, capsys):
+    # They waited for the checkpoints to be read and averaged (minutes for a large model).
+    src, ref = tmp_path / "src.en", tmp_path / "ref.de"
+    src.write_text("a\nb\n", encoding="utf-8")
+    ref.write_text("a\n", encoding="utf-8")
+    run = _run_config(tmp_path / "run", data={"dataset": "files", "data_dir": str(tmp_path)})
+    for flags, message in (
+        (["--src-file", tmp_path / "nope.en", "--output", tmp_path / "out"], "nope.en"),
+        (["--src-file", src, "--ref-file", ref], "has 1 lines"),
+        (["--split", "test2099"], "no split 'test2099'"),
+    ):
+        code = evaluate.main([str(a) for a in ["--workdir", run, *flags]], load=_no_decoding)
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert message in err, err
 
 
 @pytest.mark.parametrize(
@@ -546,12 +631,14 @@ def test_an_edited_config_is_a_one_line_error(edit, message, workdir, tmp_path, 
     assert message in err and "config" in err
 
 
-def test_a_run_whose_data_moved_or_is_null_is_a_data_error(tmp_path, monkeypatch):
+def test_a_run_whose_data_moved_or_is_not_recorded_is_a_data_error(tmp_path, monkeypatch):
     args = evaluate.parse_args(["--workdir", "unused", "--split", "val"])
-    moved = SimpleNamespace(config={"data": {"dataset": "files", "data_dir": str(tmp_path / "x")}})
+    moved = _run_config(
+        tmp_path / "moved", data={"dataset": "files", "data_dir": str(tmp_path / "x")}
+    )
     with pytest.raises(data.DataError, match="the run's data directory .*x .* is not there"):
         evaluate.load_sources_and_references(args, moved)
-    # "data": null reads as the defaults (Multi30k; offline here), not an AttributeError.
+    # No "data" section reads as the defaults (Multi30k; offline here), not a KeyError.
     from data import multi30k
 
     def offline(url, timeout=None):
@@ -559,7 +646,7 @@ def test_a_run_whose_data_moved_or_is_null_is_a_data_error(tmp_path, monkeypatch
 
     monkeypatch.setattr(multi30k, "urlopen", offline)
     with pytest.raises(data.DataError, match="cannot download Multi30k"):
-        evaluate.load_sources_and_references(args, SimpleNamespace(config={"data": None}))
+        evaluate.load_sources_and_references(args, _run_config(tmp_path / "no_data"))
 
 
 @pytest.mark.parametrize("flag", ["--src-file", "--ref-file"])
@@ -646,10 +733,10 @@ def test_output_onto_a_file_of_the_split_is_refused_before_decoding(lang, tmp_pa
     # It overwrote the references, and the next evaluation scored BLEU 100.
     for name, text in (("test2016.en", "a\n"), ("test2016.de", "b\n")):
         (tmp_path / name).write_text(text, encoding="utf-8")
-    run = SimpleNamespace(config={"data": {"dataset": "files", "data_dir": str(tmp_path)}})
+    run = _run_config(tmp_path / "run", data={"dataset": "files", "data_dir": str(tmp_path)})
     target = tmp_path / f"test2016.{lang}"
-    argv = ["--workdir", tmp_path, "--split", "test2016", "--output", target]
-    code = evaluate.main([str(a) for a in argv], load=lambda args: run)
+    argv = ["--workdir", run, "--split", "test2016", "--output", target]
+    code = evaluate.main([str(a) for a in argv], load=_no_decoding)
     err = capsys.readouterr().err
     side = "source" if lang == "en" else "reference"
     assert code == 2 and f"is split test2016's {side} file" in err and err.count("\n") == 1, err
@@ -818,7 +905,10 @@ def test_running_out_of_memory_while_decoding_names_the_flags(tmp_path, capsys):
     def load(args):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 bytes.")
 
-    code = evaluate.main(["--workdir", str(tmp_path), "--split", "val"], load=load)
+    source = tmp_path / "in.en"
+    source.write_text("A dog.\n", encoding="utf-8")
+    argv = ["--workdir", str(tmp_path), "--translate", "--input", str(source)]
+    code = evaluate.main(argv, load=load)
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1, err
     assert err.startswith("error: out of memory (RESOURCE_EXHAUSTED") and "--beam" in err
