@@ -169,14 +169,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     plots.add_argument("--plot-dir", default=DEFAULT_PLOT_DIR, help="where to write the PNGs")
     plots.add_argument("--plot-heads", action="store_true", help="also a per-head grid per layer")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument(
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument(
         "--compilation-cache",
         metavar="DIR",
         default=argparse.SUPPRESS,
         help="where compiled programs are kept for later runs to load [$JAX_COMPILATION_CACHE_DIR, "
         "else $TRANSFORMER_MT_CACHE/xla or ~/.cache/transformer-mt/xla]",
     )
-    p.add_argument(
+    cache.add_argument(
         "--no-compilation-cache",
         action="store_true",
         help="compile every program afresh and keep none",

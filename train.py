@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import math
 import os
 import re
@@ -260,14 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     o = p.add_argument_group("output and multi-host")
     o.add_argument("--no-progress", action="store_true", help="no progress bar (for log files)")
-    o.add_argument(
+    cache = o.add_mutually_exclusive_group()
+    cache.add_argument(
         "--compilation-cache",
         metavar="DIR",
         help="where compiled programs are kept for later runs and resumes to load "
         "[$JAX_COMPILATION_CACHE_DIR, else $TRANSFORMER_MT_CACHE/xla or "
         "~/.cache/transformer-mt/xla]",
     )
-    o.add_argument(
+    cache.add_argument(
         "--no-compilation-cache",
         action="store_true",
         help="compile every program afresh and keep none",
@@ -299,9 +301,16 @@ def _differences(
     saved: dict[str, Any], wanted: dict[str, Any], ignore: tuple[str, ...] = ()
 ) -> list[str]:
     return [
-        f"{k}={saved.get(k)!r} there, {wanted.get(k)!r} now"
+        f"{_setting(k)} {saved.get(k)!r} there, {wanted.get(k)!r} now"
         for k in _changed(saved, wanted, ignore)
     ]
+
+
+def _setting(field: str) -> str:
+    """A config field as the user sets it: its flag (--d-model), or the field's own name
+    where no flag sets it (pad_id, which the tokenizer gives)."""
+    flags = {flag for action in build_parser()._actions for flag in action.option_strings}
+    return _flag(field) if _flag(field) in flags else field
 
 
 def _flag(field: str) -> str:
@@ -510,16 +519,34 @@ def remove_while_empty(folders: list[Path]) -> None:
 LOCK_FILE = "train.lock"
 
 
+# OSErrors of the system, not of the flags or files the user gave: exit 1, as in training.
+SYSTEM_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in ("ENOSPC", "EDQUOT", "EIO", "ENOMEM", "EMFILE", "ENFILE", "ENAMETOOLONG")
+    if hasattr(errno, name)
+)
+
+
+def setup_error(error: OSError) -> Exception:
+    """What an OSError while the workdir and the data are set up ends the run with: a
+    UsageError (exit 2) for the user's setup, such as a folder that cannot be written or
+    a data file that cannot be read, and the OSError itself (exit 1, as in training) for
+    the system's, such as a full disk."""
+    from data.errors import os_error_line
+
+    if error.errno in SYSTEM_ERRNOS:
+        return error
+    return UsageError(os_error_line(error))
+
+
 def _open_and_lock(path: Path, workdir: Path, fcntl: Any):
     """`path` opened and locked with `flock` (unlocked, with a warning, where the file
     system has no locks); a UsageError naming the process that holds it."""
-    from data.errors import os_error_line
-
     while True:
         try:
             lock = open(path, "a+", encoding="utf-8")
         except OSError as e:  # a folder that cannot be written
-            raise UsageError(os_error_line(e, again="training resumes")) from None
+            raise setup_error(e) from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -557,7 +584,6 @@ def workdir_locked(workdir: Path, enabled: bool = True):
     empty again) is removed when the run ends. Where `fcntl` is missing (Windows) the
     run goes on without a lock.
     """
-    from data.errors import os_error_line
 
     try:
         import fcntl
@@ -568,10 +594,15 @@ def workdir_locked(workdir: Path, enabled: bool = True):
         return
     made = folders_to_make(workdir)
     path = workdir / LOCK_FILE
+    if workdir.is_symlink() and not workdir.exists():  # mkdir says only "File exists"
+        raise UsageError(
+            f"--workdir {workdir} is a link to {os.readlink(workdir)}, which is not there: "
+            "make or mount it, or use another --workdir"
+        )
     try:
         workdir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a --workdir under a file, or in a folder that cannot be written
-        raise UsageError(os_error_line(e, again="training resumes")) from None
+        raise setup_error(e) from None
     lock = _open_and_lock(path, workdir, fcntl)
     with lock:
         lock.seek(0)
@@ -1076,9 +1107,13 @@ def run_settings(args: argparse.Namespace, log) -> RunSettings:
 
         max_len = TransformerConfig.preset(args.preset or DEFAULT_PRESET, vocab_size=1).max_len
     data_cfg["max_len"] = max_len
-    # The model flags are checked before the tokenizer is trained into the workdir.
-    model_config(args, saved, data_cfg["vocab_size"], pad_id=0)
+    # The model flags are checked before the tokenizer is trained into the workdir, and
+    # on a resume against the run's model before the data is read (the vocabulary of the
+    # tokenizer against the checkpoints' once it is loaded).
+    model_cfg = model_config(args, saved, data_cfg["vocab_size"], pad_id=0)
     if saved is not None:
+        from_tokenizer = {k: v for k, v in saved["model"].items() if k in ("vocab_size", "pad_id")}
+        check_resume_matches(workdir, saved, "model", model_cfg.to_dict() | from_tokenizer)
         check_resume_matches(workdir, saved, "data", data_cfg)
         changes = resumed_changes(saved, train_cfg, data_cfg)
         if changes and checkpoint_steps(workdir):
@@ -1105,7 +1140,6 @@ def _run_locked(
     training: threading.Event,
 ) -> int:
     """`_run`'s work while it holds the workdir's lock."""
-    from data.errors import os_error_line
 
     workdir, saved = settings.workdir, settings.saved
     moved_aside = forget_unchecked_tokenizer(workdir, saved, settings.data, log, main_process)
@@ -1120,7 +1154,7 @@ def _run_locked(
                 settings.train.bleu_max_sentences,
             )
         except OSError as e:  # an unwritable --workdir, an unreadable data file
-            raise UsageError(os_error_line(e, again="training resumes")) from None
+            raise setup_error(e) from None
         check_stop_before_training(stop)
         model_cfg = model_config(args, saved, loaded.tokenizer.vocab_size, loaded.tokenizer.pad_id)
         if saved is not None:
@@ -1203,7 +1237,9 @@ def train_loaded(
     try:
         start = trainer.restore_or_init(loaded.batcher)
         check_stop_before_training(stop)
-        if start >= total_steps:  # nothing to train; config.json keeps the run's own steps
+        # Nothing to train (config.json keeps the run's own steps), unless a validation that
+        # a stop skipped at the last step is to be run.
+        if start >= total_steps and trainer.validation_skipped_at != start:
             log(
                 f"already at step {start} of the {total_steps} asked for: nothing to train; "
                 "pass a larger --steps to go on"

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import evaluate
 import train
 from tests.make_tiny_workdir import ROOT, tiny_train_flags
 from transformer import compilation_cache
@@ -143,6 +144,15 @@ def test_an_empty_directory_name_is_refused_not_the_current_folder(tmp_path, mon
     assert exit_.value.code == 2
     assert "--compilation-cache is empty" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_cache_folder_with_no_compilation_cache_is_refused_not_ignored(capsys):
+    for parse in (train.build_parser().parse_args, evaluate.parse_args):
+        with pytest.raises(SystemExit) as exit_:
+            parse(["--workdir", "w", "--compilation-cache", "c", "--no-compilation-cache"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1
+        assert "--no-compilation-cache: not allowed with argument --compilation-cache" in err
 
 
 def test_default_directory(monkeypatch, tmp_path):

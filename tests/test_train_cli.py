@@ -8,6 +8,7 @@ train step (same tiny model, same recipe, one batch shape); the SIGTERM,
 
 import argparse
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -28,7 +29,12 @@ import pytest
 
 import train
 from transformer import training
-from transformer.checkpoints import checkpoint_steps, load_run_config, restore_params
+from transformer.checkpoints import (
+    Checkpoints,
+    checkpoint_steps,
+    load_run_config,
+    restore_params,
+)
 from transformer.training import NonFiniteLossError, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -402,17 +408,36 @@ def test_a_stop_before_the_first_update_saves_nothing_and_the_run_starts_again(
     assert losses == {step: expected[step] for step in (4, 8)}
 
 
-def test_a_stop_asked_for_before_a_validation_skips_it_and_saves(
-    slice_dir, tmp_path, capsys, monkeypatch
+def _timeless(records):
+    return [{k: v for k, v in r.items() if k not in ("elapsed_s", "tokens_per_s")} for r in records]
+
+
+@pytest.mark.parametrize("stop_at", [8, 16], ids=["mid-run", "last-step"])
+def test_a_validation_a_stop_skipped_is_run_on_resume_as_in_a_run_never_stopped(
+    stop_at, slice_dir, tmp_path, capsys, monkeypatch
 ):
-    # A full validation can outlast the time a scheduler allows between SIGTERM and SIGKILL.
-    _sigterm_after_step(8, monkeypatch)
-    extra = ["--steps", "16", "--eval-every", "8", "--bleu-every", "8"]
-    assert train.main(_flags(slice_dir, tmp_path, *extra)) == 0
+    # A full validation can outlast the time a scheduler allows between SIGTERM and SIGKILL,
+    # so a stop skips it; the resumed run never ran it: a record short, and a checkpoint
+    # without the BLEU that could have made it the best.
+    extra = ["--steps", "16", "--eval-every", "8", "--bleu-every", "8", "--bleu-max-sentences", "8"]
+    straight = tmp_path / "straight"
+    assert train.main(_flags(slice_dir, straight, *extra)) == 0
+    stopped = tmp_path / "stopped"
+    _sigterm_after_step(stop_at, monkeypatch)
+    assert train.main(_flags(slice_dir, stopped, *extra)) == 0
     out = capsys.readouterr().out
-    assert "step 8: validation skipped: stopping" in out and "interrupted at step 8" in out
-    assert checkpoint_steps(tmp_path) == [4, 8]
-    assert not [r for r in read_metrics(tmp_path) if "val_loss" in r]
+    assert f"step {stop_at}: validation skipped: stopping" in out
+    assert f"interrupted at step {stop_at}" in out
+    validated = [r["step"] for r in read_metrics(stopped) if "val_loss" in r]
+    assert validated == ([8] if stop_at == 16 else [])
+    monkeypatch.undo()
+    assert train.main(["--workdir", str(stopped), "--no-progress"]) == 0
+    assert f"step {stop_at}: val_loss" in capsys.readouterr().out
+    assert _timeless(read_metrics(stopped)) == _timeless(read_metrics(straight))
+    assert checkpoint_steps(stopped) == checkpoint_steps(straight) == [8, 12, 16]
+    with Checkpoints(straight, read_only=True) as a, Checkpoints(stopped, read_only=True) as b:
+        assert [b.metrics(s) for s in (8, 12, 16)] == [a.metrics(s) for s in (8, 12, 16)]
+        assert a.metrics(stop_at)["val_bleu"] >= 0 and b.best_step() == a.best_step()
 
 
 def test_without_workdir_a_run_goes_to_runs_corpus_src_tgt_and_resumes_from_there(
@@ -466,7 +491,7 @@ def test_a_run_config_with_an_emptied_model_section_is_one_line(slice_dir, tmp_p
     assert train.main(_flags(slice_dir, tmp_path, "--steps", "4")) == 0
     # One checkpoint is enough to hold the run to its settings.
     assert train.main(["--workdir", str(tmp_path), "--seed", "3", "--steps", "8"]) == 2
-    assert "seed=0 there, 3 now" in capsys.readouterr().err
+    assert "--seed 0 there, 3 now" in capsys.readouterr().err
     config = load_run_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "model": {}}))
     capsys.readouterr()
@@ -553,19 +578,26 @@ def test_cooldown_ends_the_run_at_a_learning_rate_near_zero(slice_dir, tmp_path,
 @pytest.mark.parametrize(
     "flags, difference",
     [
-        (["--d-model", "64"], "d_model=32 there, 64 now"),
-        (["--preset", "small"], "d_model=32 there, 256 now"),
+        (["--d-model", "64"], "--d-model 32 there, 64 now"),
+        (["--preset", "small"], "--d-model 32 there, 256 now"),
+        (["--dropout-rate", "0.2"], "--dropout-rate 0.1 there, 0.2 now"),
     ],
 )
-def test_resuming_with_another_model_config_is_a_one_line_error(
-    straight_run, capsys, flags, difference
+def test_resuming_with_another_model_config_is_a_one_line_error_before_the_data_is_read(
+    straight_run, capsys, monkeypatch, flags, difference
 ):
     # A --preset given on a resume is not ignored (the run would go on with the saved model).
+    # The error came once the data was read and encoded (minutes for a large corpus), after
+    # a line that the resume was taken.
+    def not_read(*args, **kwargs):
+        raise AssertionError("the data was read before the model flags were checked")
+
+    monkeypatch.setattr(train, "load_training_data", not_read)
     code = train.main(["--workdir", str(straight_run), *flags, "--steps", "20"])
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1
-    assert difference in err
+    assert difference in err and "resuming with settings" not in out
 
 
 def test_resuming_with_another_seed_is_a_one_line_error_that_leaves_the_run_resumable(
@@ -577,7 +609,7 @@ def test_resuming_with_another_seed_is_a_one_line_error_that_leaves_the_run_resu
     code = train.main(["--workdir", str(straight_run), "--seed", "3", "--steps", "20"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1
-    assert "other train settings (seed=0 there, 3 now)" in err
+    assert "other train settings (--seed 0 there, 3 now)" in err
     assert (straight_run / "config.json").read_bytes() == config
 
 
@@ -1002,6 +1034,40 @@ def test_an_unwritable_workdir_is_a_one_line_error(slice_dir, tmp_path, capsys):
     # As evaluate.py and the shell say it: the path first, then what is wrong with it.
     assert err.startswith(f"error: {tmp_path / 'a_file'}") and err.count("\n") == 1
     assert err.endswith(": Not a directory\n")
+
+
+def test_a_full_disk_while_the_data_is_set_up_exits_1_as_in_training(
+    slice_dir, tmp_path, capsys, monkeypatch
+):
+    # It exited 2, the status of bad flags or data, where --help says a full disk is 1.
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "cache" / "x.npz"))
+
+    monkeypatch.setattr(train, "load_training_data", full)
+    assert train.main(_flags(slice_dir, tmp_path / "run")) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: {tmp_path / 'cache' / 'x.npz'}: No space left on device; make room there "
+        "and run the same command again (training resumes)\n"
+    )
+
+    def unreadable(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(slice_dir / "train.en"))
+
+    monkeypatch.setattr(train, "load_training_data", unreadable)
+    assert train.main(_flags(slice_dir, tmp_path / "run")) == 2
+    assert capsys.readouterr().err == f"error: {slice_dir / 'train.en'}: Permission denied\n"
+
+
+def test_a_workdir_that_links_to_nothing_is_named_as_a_link(slice_dir, tmp_path, capsys):
+    # A runs/ linked to a scratch disk that is not mounted: mkdir said only "File exists".
+    (tmp_path / "run").symlink_to(tmp_path / "scratch" / "run")
+    assert train.main(_flags(slice_dir, tmp_path / "run")) == 2
+    assert capsys.readouterr().err == (
+        f"error: --workdir {tmp_path / 'run'} is a link to {tmp_path / 'scratch' / 'run'}, "
+        "which is not there: make or mount it, or use another --workdir\n"
+    )
+    assert not (tmp_path / "scratch").exists()
 
 
 def test_the_summary_counts_the_validation_lines_scored_for_bleu(slice_dir, tmp_path):

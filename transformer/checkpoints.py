@@ -565,6 +565,19 @@ class Checkpoints:
         with _quiet_orbax(), _write_errors(self.directory):
             self._manager.save(step, args=args, metrics=metrics, force=True)
 
+    def record_bleu(self, step: int, val_bleu: float) -> None:
+        """Gives the saved checkpoint of `step` the validation BLEU that `save(...,
+        val_bleu=)` would have given it (for a validation a stop skipped, run on resume),
+        so that it competes for the best; written whole, by process 0."""
+        self.wait()
+        step_dir = ocp.path.step.build_step_path(self.directory, _STEP_NAME_FORMAT, step)
+        path = Path(step_dir) / "metrics" / "metrics"  # where Orbax's save writes it
+        if jax.process_index() == 0:
+            with _write_errors(self.directory):
+                write_text_atomically(path, json.dumps({BEST_METRIC: float(val_bleu)}))
+        ocp.multihost.sync_global_processes(f"record_bleu_{step}")
+        self._manager.reload()  # Orbax keeps each step's metrics in memory
+
     def check_compatible(self, step: int, params_like: PyTree) -> None:
         """Raises a one-line CheckpointError if `step`'s parameters do not fit `params_like`.
 

@@ -796,6 +796,9 @@ class Trainer:
         self.step = 0
         self.data_state: dict[str, Any] | None = None
         self.log_window = _LogWindow()  # the training metrics since the last log record
+        # The step whose validation a stop skipped: its checkpoint says so, and a resume
+        # from it runs that validation first.
+        self.validation_skipped_at: int | None = None
         self.last_logged_loss: float | None = None
 
     # -- state
@@ -831,6 +834,8 @@ class Trainer:
             )
             self.data_state = restored.meta.get("data")
             self.log_window = _LogWindow(restored.meta.get("log_window"))
+            skipped = restored.meta.get("validation_skipped", False)
+            self.validation_skipped_at = restored.step if skipped else None
             if batcher is not None and self.data_state is not None:
                 batcher.restore(self.data_state)
         self.state = replicate(host_state)
@@ -903,6 +908,8 @@ class Trainer:
             "data": self.data_state,
             "log_window": self.log_window.state(),
         }
+        if self.validation_skipped_at == self.step:
+            meta["validation_skipped"] = True
         self.checkpoints.save(self.step, host.params, host.opt_state, meta, val_bleu=val_bleu)
 
     def params(self) -> PyTree:
@@ -993,6 +1000,9 @@ class Trainer:
 
         interrupted = False
         try:
+            if self.validation_skipped_at == self.step and not stopping():
+                self._make_up_skipped_validation(validation)
+                tracker.restart_clock()
             while self.step < total_steps:
                 if stopping():
                     interrupted = True
@@ -1014,6 +1024,9 @@ class Trainer:
                 bar.update(1)
                 self._after_step(tracker, total_steps, validation, bar, stopping)
             tracker.settle()
+            # A stop at the last step skipped its validation: the run is not done until a
+            # resume runs it.
+            interrupted = interrupted or self.validation_skipped_at == self.step
             if self.step > 0:  # before the first update there is nothing trained to keep
                 self.save()
         finally:
@@ -1043,11 +1056,11 @@ class Trainer:
     ) -> None:
         """Logs, validates and checkpoints when the schedules say so; a validation due
         when a stop was asked for is skipped, since it can take longer than a scheduler
-        waits between SIGTERM and SIGKILL."""
+        waits between SIGTERM and SIGKILL (the checkpoint says so, and `run` resumed
+        from it runs that validation first)."""
         cfg, step = self.config, self.step
         due_log = step % cfg.log_every == 0 or step == total_steps
-        due_eval = cfg.eval_every > 0 and step % cfg.eval_every == 0
-        due_bleu = cfg.bleu_every > 0 and step % cfg.bleu_every == 0
+        due_eval, due_bleu = self._validation_due(step)
         due_save = step % cfg.checkpoint_every == 0 or step == total_steps
         due_validation = validation is not None and (due_eval or due_bleu)
         if not (due_log or due_eval or due_bleu or due_save):
@@ -1075,6 +1088,7 @@ class Trainer:
         val_bleu = None
         if due_validation and stopping():
             self._log(f"step {step}: validation skipped: stopping")
+            self.validation_skipped_at = step  # the checkpoint saved next says so
         elif due_validation:
             results = self.validate(validation, bleu=due_bleu)
             val_bleu = results.get("val_bleu")
@@ -1083,6 +1097,29 @@ class Trainer:
             tracker.restart_clock()  # validation time is not training throughput
         if due_save or val_bleu is not None:
             self.save(val_bleu=val_bleu)
+
+    def _validation_due(self, step: int) -> tuple[bool, bool]:
+        """Whether the schedules call for the validation loss, and for BLEU, at `step`."""
+        cfg = self.config
+        return (
+            cfg.eval_every > 0 and step % cfg.eval_every == 0,
+            cfg.bleu_every > 0 and step % cfg.bleu_every == 0,
+        )
+
+    def _make_up_skipped_validation(self, validation: ValidationData | None) -> None:
+        """Runs the validation that a stop skipped at the resumed step, where the schedules
+        still call for it: its record follows that step's training record in metrics.jsonl,
+        and its BLEU scores the step's checkpoint, as in a run that never stopped."""
+        step = self.step
+        self.validation_skipped_at = None
+        due_eval, due_bleu = self._validation_due(step)
+        if validation is None or not (due_eval or due_bleu):
+            return
+        results = self.validate(validation, bleu=due_bleu)
+        self._metrics.write(step, results)
+        self._log(f"step {step}: " + _format_results(results) + " (skipped by the stop)")
+        if "val_bleu" in results:
+            self.checkpoints.record_bleu(step, results["val_bleu"])
 
     def open_metrics(self) -> None:
         """Opens metrics.jsonl and TensorBoard, dropping records after the resumed step."""
