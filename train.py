@@ -881,6 +881,15 @@ def load_training_data(
         return TrainingData(tokenizer, batcher, None, summary)
     val_encoded = data.encode_corpus(tokenizer, val, max_len=None, cache_dir=cache)
     val_batches = batcher_of(val_encoded, shuffle=False).one_pass()
+    # Validation drops no pair (as evaluate.py); one far longer than training's can run
+    # out of memory at the first validation, which is better known at the start.
+    longer = [n for n in map(len, val_encoded.src + val_encoded.tgt) if n > max_len]
+    if longer:
+        summary.append(
+            f"warning: validation sentences longer than max_len {max_len} tokens: "
+            f"{len(longer)} (the longest {max(longer)} tokens); they are validated whole, "
+            "in memory that grows with the square of their length"
+        )
     references = data.read_lines(val_raw.tgt_path) if val_raw.tgt_path else val_raw.tgt
     bleu_lines = f"{len(val_raw)} lines"
     if bleu_max_sentences and bleu_max_sentences < len(val_raw):

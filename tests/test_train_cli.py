@@ -1077,6 +1077,26 @@ def test_the_summary_counts_the_validation_lines_scored_for_bleu(slice_dir, tmp_
         assert loaded.summary[-1].endswith(f"loss batches, {count} for BLEU")
 
 
+def test_validation_sentences_longer_than_max_len_are_a_warning_at_the_start(slice_dir, tmp_path):
+    # One overlong line ran out of memory at the first validation, with no word before.
+    data_dir = tmp_path / "data"
+    shutil.copytree(slice_dir, data_dir)
+    with open(data_dir / "val.en", "a", encoding="utf-8") as f:
+        f.write("a dog runs " * 100 + "\n")
+    with open(data_dir / "val.de", "a", encoding="utf-8") as f:
+        f.write("ein Hund läuft\n")
+    for directory, warned in ((slice_dir, False), (data_dir, True)):
+        settings = train.data_settings(_parse(*_flags(directory, tmp_path / "run")), None)
+        loaded = train.load_training_data(tmp_path / "run", settings, 128, 0, print)
+        warnings = [line for line in loaded.summary if line.startswith("warning: validation")]
+        assert len(warnings) == warned
+    longest = re.search(
+        r"longer than max_len 128 tokens: 1 \(the longest (\d+) tokens\)", *warnings
+    )
+    assert longest and int(longest[1]) > 128, warnings
+    assert loaded.validation is not None  # validated whole, not dropped
+
+
 @pytest.mark.parametrize("max_tokens, over", [("1024", False), ("64", True)])
 def test_a_token_budget_below_the_fewest_rows_a_batch_has_is_a_warning(
     slice_dir, tmp_path, max_tokens, over
