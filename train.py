@@ -1385,7 +1385,16 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
+def _interrupted_while_starting(signum, frame) -> None:
+    """SIGINT before `run`'s stop handlers, while the libraries load: the workdir is not
+    touched yet, so the command ends at once. A KeyboardInterrupt raised then printed a
+    traceback, or was dropped by JAX's garbage-collection callback and training went on."""
+    os.write(2, b"error: interrupted before training started\n")
+    os._exit(130)
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _interrupted_while_starting)  # until `run` sets its own
     build_parser().parse_args()  # --help and a mistyped flag answer before JAX is loaded
     from transformer.compilation_cache import exit_process
 
