@@ -38,6 +38,18 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+
+def _interrupted_while_loading(signum, frame) -> None:
+    """SIGINT while the libraries below load, before `main` handles it: nothing is written
+    yet, so the command ends at once. A KeyboardInterrupt raised then printed a traceback,
+    or was dropped by JAX's garbage-collection callback and the command went on."""
+    os.write(2, b"interrupted\n")
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _interrupted_while_loading)
+
 import numpy as np
 from sacrebleu.metrics import BLEU, CHRF
 
