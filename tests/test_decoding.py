@@ -86,6 +86,33 @@ def test_arguments_that_would_search_wrongly_are_errors(
             greedy_search(model, params, src, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"src": [[5, 6, 3]]}, r"src_BS must be an int array \[batch, src_len\], got list"),
+        ({"src": jnp.ones((1, 3))}, r"src_BS must be an int array .* got dtype float32"),
+        ({"bos_id": 1.0}, "bos_id must be an integer, got 1.0"),
+        ({"eos_id": True}, "eos_id must be an integer token id, got True"),
+        ({"pad_id": 0.0}, "pad_id must be an integer, got 0.0"),
+        ({"alpha": None}, "alpha must be a real number >= 0, got None"),
+        ({"alpha": "0.6"}, "alpha must be a real number >= 0, got '0.6'"),
+        ({"alpha": -0.5}, "alpha must be a real number >= 0, got -0.5"),
+        ({"alpha": float("nan")}, "alpha must be a real number >= 0, got nan"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_errors_naming_them(model_and_sources, changes, message):
+    # A list of ids was "'list' object has no attribute 'ndim'", a float id or alpha None
+    # an error deep inside JAX, and True was taken as the id 1.
+    model, params, _ = model_and_sources
+    kwargs = {"bos_id": BOS, "eos_id": EOS, "pad_id": PAD, **changes}
+    src = kwargs.pop("src", jnp.full((1, 3), 3, jnp.int32))
+    with pytest.raises(ValueError, match=message):
+        beam_search(model, params, src, beam_size=2, **kwargs)
+    if "alpha" not in changes:
+        with pytest.raises(ValueError, match=message):
+            greedy_search(model, params, src, **kwargs)
+
+
 def test_beam_of_one_is_greedy(model_and_sources):
     model, params, src = model_and_sources
     kw = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_extra_len=5)

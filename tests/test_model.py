@@ -8,14 +8,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
 from transformer import (
+    Decoder,
     MultiHeadAttention,
     Transformer,
     TransformerConfig,
     scaled_dot_product_attention,
     sinusoidal_positional_encoding,
 )
+from transformer.attention import creating_cache
 
 VOCAB = 40
 
@@ -253,6 +256,57 @@ def test_a_decode_step_without_the_init_cache_collection_is_an_error():
             {"params": params, "cache": state["cache"]}, encoded, src, tgt[:, :1],
             decode=True, method=Transformer.decode,
         )  # fmt: skip
+
+
+def _standalone_decoder(seed: int = 8):
+    """A Decoder of its own, its variables, an encoding, sources and unpadded targets."""
+    config = _config()
+    rng = np.random.default_rng(seed)
+    src, _ = _batch(rng)
+    tgt = jnp.asarray(rng.integers(1, VOCAB, size=(3, 6)), jnp.int32)
+    encoded = jnp.asarray(rng.normal(size=(*src.shape, config.d_model)), jnp.float32)
+    decoder = Decoder(config, nn.Embed(VOCAB, config.d_model))
+    return decoder, decoder.init(jax.random.key(0), encoded, src, tgt), encoded, src, tgt
+
+
+def test_a_standalone_decoder_or_attention_step_without_a_cache_is_an_error():
+    # The step created a cache of its own length (1): step 2 was wrong and step 3 NaN,
+    # with no error.
+    decoder, variables, encoded, src, tgt = _standalone_decoder()
+    with pytest.raises(ValueError, match=r"Decoder\(decode=True\) found no cache to step"):
+        decoder.apply(variables, encoded, src, tgt[:, :1], decode=True, mutable=["cache"])
+    attention = MultiHeadAttention(_config())
+    attention_vars = attention.init(jax.random.key(1), encoded, encoded)
+    for kv in (None, encoded):  # self- and cross-attention
+        with pytest.raises(ValueError, match=r"MultiHeadAttention\(decode=True\) found no"):
+            attention.apply(attention_vars, encoded[:, :1], kv, decode=True, mutable=["cache"])
+    # The cache created as documented: every step matches the full decoder.
+    full = decoder.apply(variables, encoded, src, tgt)
+    step = jax.jit(
+        lambda cache, tok: decoder.apply(
+            {**variables, "cache": cache}, encoded, src, tok, decode=True, mutable=["cache"]
+        )
+    )
+    with creating_cache():
+        _, state = decoder.apply(
+            variables, encoded, src, jnp.zeros((3, 8), jnp.int32), decode=True, mutable=["cache"]
+        )
+    for t in range(tgt.shape[1]):
+        logits, state = step(state["cache"], tgt[:, t : t + 1])
+        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5)
+
+
+def test_a_decoder_given_another_target_batch_than_the_source_is_an_error():
+    # 4 target rows for 2 sentences were taken as 2 beams each (row i read sentence
+    # i // 2), silently; only a batch that is not a multiple (3 for 2) was caught.
+    decoder, variables, encoded, src, tgt = _standalone_decoder()
+    twice = jnp.concatenate([tgt[:2], tgt[:2]])
+    with pytest.raises(ValueError, match="tgt_BT has 4 rows for 2 source sentences"):
+        decoder.apply(variables, encoded[:2], src[:2], twice)
+    # Asked for, beams pair a sentence's adjacent rows with it.
+    full = decoder.apply(variables, encoded[:2], src[:2], tgt[:2])
+    beamed = decoder.apply(variables, encoded[:2], src[:2], jnp.repeat(tgt[:2], 2, axis=0), beams=2)
+    np.testing.assert_allclose(beamed, jnp.repeat(full, 2, axis=0), atol=1e-5)
 
 
 def test_ids_of_another_rank_or_another_sentences_encoding_are_errors():

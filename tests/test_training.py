@@ -58,6 +58,14 @@ def test_padding_positions_do_not_count():
     np.testing.assert_allclose(float(loss_sum), 2 * math.log(5), rtol=1e-6)
 
 
+@pytest.mark.parametrize("smoothing", [1.0, 1.5, -0.1])
+def test_a_smoothing_outside_zero_to_one_is_an_error(smoothing):
+    # 1.5 returned a loss, one that rewards ranking the reference token low.
+    logits, targets = jnp.zeros((1, 2, 5)), jnp.array([[1, 2]])
+    with pytest.raises(ValueError, match=rf"smoothing must be in \[0, 1\), got {smoothing}"):
+        label_smoothed_cross_entropy(logits, targets, 0, smoothing)
+
+
 def test_learning_rate_schedule_is_the_papers_formula():
     d_model, warmup = 512, 4000
     schedule = learning_rate_schedule(d_model, warmup, scale=2.0)
@@ -278,6 +286,28 @@ def test_the_step_loss_is_per_real_target_token_and_nll_is_unsmoothed(tiny_setup
     assert val["val_loss"] == pytest.approx(smoothed, rel=1e-5)
     assert val["val_nll"] == pytest.approx(nll, rel=1e-5)
     assert val["val_ppl"] == pytest.approx(math.exp(nll), rel=1e-5)
+
+
+def test_a_batch_without_the_device_axis_is_an_error_naming_that_axis():
+    # A [b, len] batch failed in the model with "src_BS must be token ids [batch, length],
+    # got shape (6,): add the batch axis (ids[None])", which names the wrong axis.
+    config = TransformerConfig.preset("tiny", vocab_size=20, dropout_rate=0.0)
+    model = Transformer(config)
+    optimizer = make_optimizer(TrainConfig(steps=10, **_RECIPE), config.d_model)
+    state = create_train_state(model, optimizer, seed=0)
+    batch = {name: np.ones((4, 6), np.int32) for name in ("src", "tgt_in", "tgt_out")}
+    message = r"batch\['src'\] must be \[devices, batch, length\].*TokenBatcher"
+    step = make_train_step(model, optimizer, label_smoothing=0.0, pad_id=0)
+    with pytest.raises(ValueError, match=message):
+        step(replicate(state), batch)
+    eval_step = make_eval_step(model, label_smoothing=0.0, pad_id=0)
+    with pytest.raises(ValueError, match=message):
+        eval_step(replicate(state.params), batch)
+    # With the device axis the same batch trains.
+    one_device = {name: x[None] for name, x in batch.items()}
+    if jax.local_device_count() == 1:
+        _, metrics = step(replicate(state), one_device)
+        assert float(unreplicate(metrics)["num_tokens"]) == 24
 
 
 def test_each_step_draws_its_own_dropout_masks(tiny_setup):

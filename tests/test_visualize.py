@@ -1,5 +1,8 @@
 """Cross-attention extraction and the attention heatmaps."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -7,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from matplotlib import image as mpimg
+from matplotlib.text import Text
 
 from transformer import Transformer, TransformerConfig
 from transformer.visualize import (
@@ -193,3 +197,46 @@ def test_a_heatmap_draws_the_mean_of_the_heads_outputs_as_rows(tmp_path, monkeyp
     # (a head on its own scale cannot be compared with the others).
     assert image.get_clim() == (0.0, weights_HTS.mean(axis=0).max())
     assert {ax.images[0].get_clim() for ax in grid.axes if ax.images} == {(0.0, weights_HTS.max())}
+
+
+def test_importing_and_plotting_leave_the_matplotlib_backend_alone(tmp_path):
+    # The import switched the whole process to Agg: a notebook's plt.show() showed nothing.
+    code = (
+        "import matplotlib, numpy as np\n"
+        "from transformer.visualize import plot_attention\n"
+        f"plot_attention(np.eye(2), ['a', 'b'], ['c', 'd'], {str(tmp_path / 'a.png')!r}, "
+        "title='t')\n"
+        "print(matplotlib.get_backend())\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "MPLBACKEND": "svg"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["svg"]
+    assert (tmp_path / "a.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_a_long_title_is_whole_inside_a_tall_narrow_plot(tmp_path, monkeypatch):
+    # Centred over the axes of a narrow figure, it was cut off on the left
+    # ("ntence_0002: decoder layer 1 ...").
+    import transformer.visualize as visualize
+
+    drawn = []
+    monkeypatch.setattr(visualize, "_save_png", lambda fig, path, dpi: drawn.append(fig))
+    rng = np.random.default_rng(0)
+    src = ["\u2581Zwei", "\u2581Hunde", ".", "</s>"]
+    tgt = [f"\u2581w{i}" for i in range(40)]
+    weights_HTS = rng.dirichlet(np.ones(len(src)), size=(4, len(tgt)))
+    plot_sentence_attention([weights_HTS], src, tgt, tmp_path, name="sentence_0002", heads=True)
+    titles = [
+        "sentence_0002: decoder layer 1 cross-attention (mean of 4 heads)",
+        "sentence_0002: decoder layer 1 cross-attention per head",
+    ]
+    for fig, title in zip(drawn, titles, strict=True):
+        fig.canvas.draw()
+        [text] = [t for t in fig.findobj(Text) if " ".join(t.get_text().split()) == title]
+        box, page = text.get_window_extent(), fig.bbox
+        assert page.x0 <= box.x0 and box.x1 <= page.x1, (box, page)
+        assert page.y0 <= box.y0 and box.y1 <= page.y1, (box, page)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from functools import partial
 
 import jax
@@ -82,6 +85,39 @@ def scaled_dot_product_attention(
     return out_BQHD, weights_BHQK
 
 
+_CREATING_CACHE = contextvars.ContextVar("creating_cache", default=False)
+
+
+@contextlib.contextmanager
+def creating_cache() -> Iterator[None]:
+    """Marks the calls made inside as the setup call that creates a decoding cache.
+
+    A `decode=True` call of `MultiHeadAttention` or `Decoder` that finds no cache
+    creates one only here or in `init` (`Transformer.init_cache` does this); anywhere
+    else it is a ValueError. Only the Python call (the tracing) needs to be inside.
+    """
+    token = _CREATING_CACHE.set(True)
+    try:
+        yield
+    finally:
+        _CREATING_CACHE.reset(token)
+
+
+def check_cache_creation(module: nn.Module) -> None:
+    """A ValueError unless `module` may create its decoding cache (in `init` or `creating_cache`).
+
+    Else a step would create a cache of its own length (1): the next step would be
+    wrong and the one after NaN, without an error.
+    """
+    if not module.is_initializing() and not _CREATING_CACHE.get():
+        raise ValueError(
+            f"{type(module).__name__}(decode=True) found no cache to step: create it first "
+            "with a call on a dummy target of length max_decode_len, in init or inside "
+            "`with transformer.attention.creating_cache():` with mutable=['cache'] (as "
+            "Transformer.init_cache does), then pass its 'cache' collection to every step"
+        )
+
+
 class MultiHeadAttention(nn.Module):
     """h parallel heads of scaled dot-product attention with projections W^Q, W^K, W^V, W^O.
 
@@ -92,14 +128,21 @@ class MultiHeadAttention(nn.Module):
     Incremental decoding (`decode=True`) keeps a "cache" collection:
       - self-attention: `cached_key`/`cached_value` [batch, max_decode_len,
         heads, d_head] and the scalar `cache_index`. The first call, made with
-        a dummy target of length max_decode_len, only creates them; each later
-        call appends one position and attends to the positions written so far.
+        a dummy target of length max_decode_len in `init` or inside
+        `creating_cache()`, only creates them (a call elsewhere that finds no
+        cache is a ValueError); each later call appends one position and
+        attends to the positions written so far.
       - cross-attention: `cross_key`/`cross_value` [batch, src_len, heads,
         d_head], projected from the encoder output by the first call and read
-        by every later one. If the queries' batch is a multiple r of the
-        cache's (beam search: r beams per sentence, beams of a sentence
-        adjacent), the queries are regrouped per sentence, so the beams share
-        one copy of the source keys and values.
+        by every later one.
+
+    Beams: whenever the queries' batch is a multiple r of the keys' and values'
+    (cached or not), query row i attends to key/value row i // r: beam search's r
+    beams per sentence, a sentence's beams adjacent (`jnp.repeat`, not
+    `jnp.tile`), share one copy of the source keys and values. Nothing here tells
+    that from a batch mismatch by mistake (4 queries against 2 keys):
+    `Transformer.__call__` and `Decoder` outside cached decoding (unless given
+    `beams`) check their batches.
 
     The attention weights [batch, heads, q_len, kv_len] are sown into the
     "intermediates" collection as `attention_weights`.
@@ -162,6 +205,7 @@ class MultiHeadAttention(nn.Module):
             k_BKHD = project("key")(kv_input)
             v_BKHD = project("value")(kv_input)
             if is_cross and decode:
+                check_cache_creation(self)
                 self.put_variable("cache", "cross_key", k_BKHD)
                 self.put_variable("cache", "cross_value", v_BKHD)
 
@@ -221,6 +265,8 @@ class MultiHeadAttention(nn.Module):
         written and the inputs pass through unchanged.
         """
         initialized = self.has_variable("cache", "cached_key")
+        if not initialized:
+            check_cache_creation(self)
         cached_key = self.variable("cache", "cached_key", jnp.zeros, k_B1HD.shape, k_B1HD.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, v_B1HD.shape, v_B1HD.dtype)
         cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))

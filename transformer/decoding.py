@@ -30,6 +30,8 @@ would be indistinguishable from padding, which the model's masks ignore.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -66,6 +68,13 @@ def _check_integer(name: str, value: Any) -> None:
         operator.index(value)
     except TypeError:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _check_id(name: str, value: Any) -> None:
+    """A float id failed deep inside JAX, and True passed as the id 1."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer token id, got {value!r}")
+    _check_integer(name, value)
 
 
 def _length_limits(
@@ -196,13 +205,30 @@ def _make_decoder(model, params, src_BS, rows, length, pad_id, use_cache):
 
 
 def _check_search_arguments(
-    model: nn.Module, src_BS: jax.Array, bos_id: int, eos_id: int, pad_id: int, beams: int = 1
+    model: nn.Module,
+    src_BS: jax.Array,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+    beams: int = 1,
+    alpha: float = 0.0,
 ) -> None:
     """Raises ValueError for arguments that would search wrongly instead of failing.
 
     An id past the vocabulary embeds as NaN or never ends the search; a padding id
-    other than the model's makes the length limits count padding as tokens.
+    other than the model's makes the length limits count padding as tokens. The
+    others (a list of ids, a float id, alpha None) failed deep inside JAX.
     """
+    if not hasattr(src_BS, "ndim") or not jnp.issubdtype(src_BS.dtype, jnp.integer):
+        got = f"dtype {src_BS.dtype}" if hasattr(src_BS, "dtype") else type(src_BS).__name__
+        raise ValueError(
+            f"src_BS must be an int array [batch, src_len], got {got}: convert the ids "
+            "with jnp.asarray(ids, jnp.int32)"
+        )
+    for name, value in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id)):
+        _check_id(name, value)
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 <= alpha < math.inf:
+        raise ValueError(f"alpha must be a real number >= 0, got {alpha!r}")
     if src_BS.ndim != 2 or src_BS.shape[1] == 0:
         raise ValueError(
             f"src_BS must be [batch, src_len] with src_len >= 1, got shape {tuple(src_BS.shape)}"
@@ -379,7 +405,7 @@ def beam_search(
        scores [batch] float32: its log P(Y | X) / lp(|Y|), P renormalized without
        the padding token, -inf for a sentence whose limit allows no token).
     """
-    _check_search_arguments(model, src_BS, bos_id, eos_id, pad_id, beam_size)
+    _check_search_arguments(model, src_BS, bos_id, eos_id, pad_id, beam_size, alpha)
     batch, beams = src_BS.shape[0], beam_size
     limit_B, length = _length_limits(src_BS, pad_id, max_extra_len, max_len)
     decoder = _make_decoder(model, params, src_BS, beams, length, pad_id, use_cache)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from transformer.attention import MultiHeadAttention
+from transformer.attention import MultiHeadAttention, check_cache_creation, creating_cache
 from transformer.config import TransformerConfig
 from transformer.dropout import Dropout
 from transformer.matmul import dense_dot_general, matmul_transposed
@@ -260,6 +260,7 @@ class Decoder(nn.Module):
         *,
         train: bool = False,
         decode: bool = False,
+        beams: int | None = 1,
     ) -> jax.Array:
         """Computes next-token logits.
 
@@ -270,7 +271,15 @@ class Decoder(nn.Module):
             right behind the start token.
           train: enables dropout.
           decode: incremental decoding: `tgt_BT` holds the next position only
-            (tgt_len 1) and the "cache" collection holds the past.
+            (tgt_len 1) and the "cache" collection holds the past, created first by
+            a call on a dummy target of length max_decode_len in `init` or inside
+            `transformer.attention.creating_cache()` (a step without it is a ValueError).
+          beams: rows of `tgt_BT` per source sentence outside `decode` (beam
+            search; a sentence's rows adjacent, as `jnp.repeat` orders them):
+            another target batch than `beams` times the source's is a ValueError,
+            as a mismatch would otherwise pair row i with sentence i // r. None
+            accepts any whole number per sentence (`Transformer.decode`). Cached
+            steps pair the rows with the cache as `MultiHeadAttention` says.
 
         Returns:
           float32 logits [batch, tgt_len, vocab_size].
@@ -283,10 +292,18 @@ class Decoder(nn.Module):
                 f"encoded_BSD {jnp.shape(encoded_BSD)} is not the encoding of src_BS "
                 f"{jnp.shape(src_BS)}: the two must have the same [batch, src_len]"
             )
+        if not decode and beams is not None and tgt_BT.shape[0] != beams * src_BS.shape[0]:
+            raise ValueError(
+                f"tgt_BT has {tgt_BT.shape[0]} rows for {src_BS.shape[0]} source sentences: "
+                f"give the target {beams} row(s) per sentence (beam search: pass beams=r "
+                "for r rows per sentence, a sentence's rows adjacent)"
+            )
         cross_mask = padding_mask(src_BS, cfg.pad_id)
         if decode:
             self_mask = None
             started = self.has_variable("cache", "position")
+            if not started:
+                check_cache_creation(self)
             position = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
             positions_T = position.value + jnp.arange(tgt_BT.shape[1])
             if started:
@@ -395,7 +412,7 @@ class Transformer(nn.Module):
                 "'cache' collection to every step (state['cache'] of the state it returns, "
                 "not the state itself)"
             )
-        return self.decoder(encoded_BSD, src_BS, tgt_BT, train=train, decode=decode)
+        return self.decoder(encoded_BSD, src_BS, tgt_BT, train=train, decode=decode, beams=None)
 
     def init_cache(self, encoded_BSD: jax.Array, src_BS: jax.Array, max_decode_len: int) -> None:
         """Creates the decoding cache; apply with `mutable=["cache"]`, keep the "cache" collection.
@@ -419,7 +436,8 @@ class Transformer(nn.Module):
             # 8.0 failed deep in jnp.zeros; 0 made a cache whose first step was NaN.
             raise ValueError(f"max_decode_len must be an integer >= 1, got {max_decode_len!r}")
         dummy_BT = jnp.zeros((src_BS.shape[0], positions), jnp.int32)
-        self.decoder(encoded_BSD, src_BS, dummy_BT, decode=True)
+        with creating_cache():
+            self.decoder(encoded_BSD, src_BS, dummy_BT, decode=True)
 
     def __call__(self, src_BS: jax.Array, tgt_BT: jax.Array, *, train: bool = False) -> jax.Array:
         """Teacher-forced logits.

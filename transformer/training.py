@@ -303,7 +303,13 @@ def label_smoothed_cross_entropy(
     Returns:
       (loss_sum, num_tokens): float32 scalar sum of the per-token losses over
       real tokens, and the int32 number of real tokens.
+
+    Raises:
+      ValueError: `smoothing` is a Python number outside [0, 1).
     """
+    if isinstance(smoothing, int | float) and not 0.0 <= smoothing < 1.0:
+        # 1.5 gave a loss that rewards the model for ranking the reference low.
+        raise ValueError(f"smoothing must be in [0, 1), got {smoothing!r}")
     logits_BTV = logits_BTV.astype(jnp.float32)
     log_normalizer_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
@@ -409,6 +415,28 @@ def unreplicate(tree: PyTree) -> PyTree:
     return jax.tree.map(first, tree)
 
 
+def _checking_the_device_axis(pmapped: Callable) -> Callable:
+    """`pmapped(first, batch)`, first raising a ValueError if the batch lacks its device axis.
+
+    pmap takes a [b, len] batch's first axis as the devices': with b devices each
+    got [len] and the model's error said to add a batch axis; else pmap's said
+    nothing of the batch. `.lower` (ahead-of-time compilation) is pmapped's own.
+    """
+
+    def call(first: PyTree, batch: Batch):
+        for name in BATCH_KEYS:
+            if name in batch and np.ndim(batch[name]) != 3:
+                raise ValueError(
+                    f"batch[{name!r}] must be [devices, batch, length], got shape "
+                    f"{np.shape(batch[name])}: shard it as data.TokenBatcher(..., "
+                    "num_devices=jax.local_device_count()) does (or x[None] on one device)"
+                )
+        return pmapped(first, batch)
+
+    call.lower = pmapped.lower
+    return call
+
+
 def make_train_step(
     model: Transformer,
     optimizer: optax.GradientTransformation,
@@ -475,7 +503,9 @@ def make_train_step(
         }
         return new_state, metrics
 
-    return jax.pmap(step, axis_name=AXIS, donate_argnums=(0,), devices=devices)
+    return _checking_the_device_axis(
+        jax.pmap(step, axis_name=AXIS, donate_argnums=(0,), devices=devices)
+    )
 
 
 @functools.cache
@@ -514,7 +544,7 @@ def make_eval_step(
         sums = {"loss_sum": loss_sum, "nll_sum": nll_sum, "num_tokens": num_tokens}
         return lax.psum(sums, AXIS)
 
-    return jax.pmap(evaluate, axis_name=AXIS, devices=devices)
+    return _checking_the_device_axis(jax.pmap(evaluate, axis_name=AXIS, devices=devices))
 
 
 def evaluate_loss(

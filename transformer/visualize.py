@@ -11,32 +11,43 @@ from __future__ import annotations
 import functools
 import math
 import os
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import matplotlib
 import numpy as np
 from flax import linen as nn
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
 from data.text import write_atomically
-
-matplotlib.use("Agg")  # files only; never needs a display
-
-from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
 
 _CMAP = "viridis"
 
 
-def _save_png(fig: Any, path: str | os.PathLike, dpi: int) -> None:
+def _figure(figsize: tuple[float, float]) -> Figure:
+    """A figure drawn by Agg on its own, not through pyplot: importing or plotting here
+    changes no process-wide state (the backend of a notebook's `plt.show()`)."""
+    fig = Figure(figsize=figsize, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _suptitle(fig: Figure, title: str, fontsize: float) -> None:
+    """The figure's title, wrapped to its width: a long one on a narrow (tall) plot was
+    centred over the axes and cut off on the left."""
+    # DejaVu Sans averages about 0.55 em a character; 0.65 leaves a margin.
+    chars = max(20, int(fig.get_figwidth() * 72 / (0.65 * fontsize)))
+    fig.suptitle(textwrap.fill(title, chars), fontsize=fontsize)
+
+
+def _save_png(fig: Figure, path: str | os.PathLike, dpi: int) -> None:
     """Saves `fig` as a PNG at `path` through a temporary file, so that an interrupted
-    save leaves the old picture or none, never half of one; closes the figure."""
-    try:
-        write_atomically(path, lambda f: fig.savefig(f, dpi=dpi, format="png"))
-    finally:
-        plt.close(fig)
+    save leaves the old picture or none, never half of one."""
+    write_atomically(path, lambda f: fig.savefig(f, dpi=dpi, format="png"))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -118,11 +129,12 @@ def plot_attention(
       path: the PNG file to write (exactly this name; no suffix is added).
       title: figure title (e.g. which sentence and layer).
     """
-    fig, ax = plt.subplots(figsize=_size(len(src_tokens), len(tgt_tokens)), layout="constrained")
+    fig = _figure(_size(len(src_tokens), len(tgt_tokens)))
+    ax = fig.subplots()
     # The colour scale ends at the largest weight: averaged heads rarely come near 1.
     image = _draw(ax, weights_TS, src_tokens, tgt_tokens, vmax=float(weights_TS.max()) or 1.0)
     fig.colorbar(image, ax=ax, shrink=0.8, label="attention weight")
-    ax.set_title(title, fontsize=10)
+    _suptitle(fig, title, fontsize=10)
     _save_png(fig, path, dpi=120)
 
 
@@ -147,9 +159,8 @@ def plot_attention_heads(
     cols = math.ceil(math.sqrt(heads))
     rows = math.ceil(heads / cols)
     width, height = _size(len(src_tokens), len(tgt_tokens))
-    fig, axes = plt.subplots(
-        rows, cols, figsize=(width * cols, height * rows), squeeze=False, layout="constrained"
-    )
+    fig = _figure((width * cols, height * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     for h, ax in enumerate(axes.flat):
         if h >= heads:
             ax.axis("off")
@@ -164,7 +175,7 @@ def plot_attention_heads(
             ylabel=h % cols == 0,
         )
         ax.set_title(f"head {h + 1}", fontsize=10)
-    fig.suptitle(title, fontsize=12)
+    _suptitle(fig, title, fontsize=12)
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
     _save_png(fig, path, dpi=100)
 
@@ -260,7 +271,8 @@ def plot_training_curve(records: Sequence[dict[str, float]], path: str | os.Path
     val = [r for r in records if "val_loss" in r and "elapsed_s" in r]
     bleu = [r for r in records if "val_bleu" in r and "elapsed_s" in r]
     minutes = lambda rs: [r["elapsed_s"] / 60 for r in rs]  # noqa: E731
-    fig, loss_ax = plt.subplots(figsize=(7.5, 4.2), layout="constrained")
+    fig = _figure((7.5, 4.2))
+    loss_ax = fig.subplots()
     # One record (a run between its first and second log) is a line of no length: a dot.
     loss_ax.plot(
         minutes(train),
