@@ -1,6 +1,8 @@
 """Shared fixtures: where the repository and the real Multi30k data are; a private cache root."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,23 @@ def private_cache_root(tmp_path_factory: pytest.TempPathFactory):
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture
+def run_ctrl_c_while_loading(repo_root: Path, tmp_path: Path):
+    """Runs a command (a script of the repository and its flags) whose first library to
+    load, a stand-in numpy, sends it a Ctrl-C while it loads, as a user would."""
+
+    def run(*argv) -> subprocess.CompletedProcess:
+        lib = tmp_path / "stand_in_numpy"
+        lib.mkdir(exist_ok=True)
+        (lib / "numpy.py").write_text(
+            "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(60)\n"
+        )
+        env = dict(os.environ, PYTHONPATH=f"{lib}{os.pathsep}{repo_root}")
+        command = [sys.executable, *map(str, argv)]
+        return subprocess.run(
+            command, cwd=repo_root, env=env, capture_output=True, text=True, timeout=60
+        )
+
+    return run

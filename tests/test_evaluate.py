@@ -597,23 +597,12 @@ def test_unwritable_output_places_fail_before_decoding(flags, message, tmp_path,
     assert message.format(**places) in err, err
 
 
-def test_ctrl_c_while_the_libraries_load_ends_the_command_in_one_line(tmp_path, repo_root):
+def test_ctrl_c_while_the_libraries_load_ends_the_command_in_one_line(
+    tmp_path, run_ctrl_c_while_loading
+):
     # It printed an import traceback, or JAX's garbage-collection callback dropped the
-    # KeyboardInterrupt and the command went on. A stand-in numpy is the first library
-    # loaded: it sends the Ctrl-C, as a user would, while it loads.
-    (tmp_path / "lib").mkdir()
-    (tmp_path / "lib" / "numpy.py").write_text(
-        "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(60)\n"
-    )
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path / 'lib'}{os.pathsep}{repo_root}")
-    result = subprocess.run(
-        [sys.executable, "evaluate.py", "--workdir", str(tmp_path), "--split", "val"],
-        cwd=repo_root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    # KeyboardInterrupt and the command went on.
+    result = run_ctrl_c_while_loading("evaluate.py", "--workdir", tmp_path, "--split", "val")
     assert result.returncode == 130 and result.stderr == "interrupted\n", result.stderr
 
 

@@ -865,22 +865,12 @@ def test_an_impossible_workdir_name_is_a_one_line_error(
     assert not (tmp_path / "runs").exists()
 
 
-def test_ctrl_c_while_the_libraries_load_ends_the_run_in_one_line(slice_dir, tmp_path):
+def test_ctrl_c_while_the_libraries_load_ends_the_run_in_one_line(
+    slice_dir, tmp_path, run_ctrl_c_while_loading
+):
     # It printed a 30-line import traceback, or JAX's garbage-collection callback dropped
-    # the KeyboardInterrupt and the run trained to the end. A stand-in numpy is the first
-    # library loaded: it sends the Ctrl-C, as a user would, while it loads.
-    (tmp_path / "lib").mkdir()
-    (tmp_path / "lib" / "numpy.py").write_text(
-        "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(60)\n"
-    )
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path / 'lib'}{os.pathsep}{ROOT}")
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *_flags(slice_dir, tmp_path / "run")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    # the KeyboardInterrupt and the run trained to the end.
+    result = run_ctrl_c_while_loading("train.py", *_flags(slice_dir, tmp_path / "run"))
     assert result.returncode == 130
     assert result.stderr == "error: interrupted before training started\n"
     assert not (tmp_path / "run").exists()
