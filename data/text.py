@@ -146,8 +146,10 @@ def decode_lines(raw: bytes, name: str) -> list[str]:
         ) from None
     if text.startswith("\ufeff"):  # a UTF-8 byte-order mark is not part of the first line
         text = text[1:]
-    if "\n" not in text and "\r" in text.rstrip("\r"):
-        # Classic Mac OS line ends: read as one line, every sentence would become one pair.
+    lone_carriage_returns = len(re.findall("\r(?!\n)", text.rstrip("\r\n")))
+    if lone_carriage_returns > text.count("\n"):
+        # Classic Mac OS line ends (a final \n added or not): read as one line, every
+        # sentence would become one pair. A stray \r inside a line of a \n file stays.
         raise DataError(
             f"{name} ends its lines with a carriage return (\\r) alone; "
             "convert them to \\n (e.g. tr '\\r' '\\n')"

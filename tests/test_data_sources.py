@@ -84,10 +84,12 @@ def test_utf16_and_lone_carriage_returns_are_named_not_misread(tmp_path):
     assert str(utf16) in one_line(e) and "iconv -f utf-16 -t utf-8" in one_line(e)
     # Classic Mac line ends: one line of three sentences before, so one training pair.
     mac = tmp_path / "mac.en"
-    mac.write_bytes(b"a man\rtwo dogs\rred car\r")
-    with pytest.raises(data.DataError) as e:
-        data.read_lines(mac)
-    assert str(mac) in one_line(e) and "carriage return" in one_line(e)
+    # With a final \n too (`echo >> file`), the check was off and the lines were merged.
+    for text in (b"a man\rtwo dogs\rred car\r", b"a man\rtwo dogs\rred car\r\n"):
+        mac.write_bytes(text)
+        with pytest.raises(data.DataError) as e:
+            data.read_lines(mac)
+        assert str(mac) in one_line(e) and "carriage return" in one_line(e)
     # A stray carriage return inside a line of a \n file stays, and one line ending in \r
     # alone is one line.
     stray = tmp_path / "stray.en"
