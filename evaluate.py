@@ -312,8 +312,9 @@ def load_sources_and_references(
     if not corpus.src:
         files = f" ({corpus.src_path} and {corpus.tgt_path})" if corpus.src_path else ""
         raise DataError(f"split {args.split} is empty{files}: nothing to score")
-    # Score against the raw reference file, not the normalized text (TFDS has no file).
-    references = read_lines(corpus.tgt_path) if corpus.tgt_path else list(corpus.tgt)
+    # Score against the raw references (the file, or the raw TFDS sentences), not the
+    # normalized text.
+    references = corpus.references()
     return list(corpus.src), references, f"{args.split} {spec.src}-{spec.tgt}"
 
 

@@ -890,7 +890,7 @@ def load_training_data(
             f"{len(longer)} (the longest {max(longer)} tokens); they are validated whole, "
             "in memory that grows with the square of their length"
         )
-    references = data.read_lines(val_raw.tgt_path) if val_raw.tgt_path else val_raw.tgt
+    references = val_raw.references()
     bleu_lines = f"{len(val_raw)} lines"
     if bleu_max_sentences and bleu_max_sentences < len(val_raw):
         bleu_lines = f"the first {bleu_max_sentences} of its {len(val_raw)} lines"

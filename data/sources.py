@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from data.errors import DataError, MissingSplitError
-from data.text import is_junk, normalize, read_aligned_lines
+from data.text import is_junk, normalize, read_aligned_lines, read_lines
 
 DATASETS = ("multi30k", "files", "tfds")
 
@@ -123,6 +123,8 @@ class Corpus:
       summary: what cleaning skipped.
       src_path: the raw source file, when the corpus was read from files.
       tgt_path: the raw target file (evaluation scores against it), or None.
+      raw_tgt: the raw target sentences, where there is no file (TFDS) and nothing was
+        cleaned away (`clean=False`), else None.
     """
 
     src: list[str]
@@ -130,9 +132,18 @@ class Corpus:
     summary: CleaningSummary
     src_path: str | None = None
     tgt_path: str | None = None
+    raw_tgt: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.src)
+
+    def references(self) -> list[str]:
+        """The target lines as they were given, which BLEU is scored against (sacreBLEU
+        takes raw references): the target file's lines, else the raw sentences, else
+        (a cleaned corpus without a file) the normalized ones."""
+        if self.tgt_path:
+            return read_lines(self.tgt_path)
+        return list(self.raw_tgt if self.raw_tgt is not None else self.tgt)
 
 
 def clean_pairs(
@@ -171,7 +182,8 @@ def clean_pairs(
         src.append(x)
         tgt.append(y)
     summary.kept = len(src)
-    return Corpus(src=src, tgt=tgt, summary=summary)
+    raw_tgt = None if clean else list(tgt_lines)  # aligned: nothing was skipped
+    return Corpus(src=src, tgt=tgt, summary=summary, raw_tgt=raw_tgt)
 
 
 def read_parallel(

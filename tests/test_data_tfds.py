@@ -77,6 +77,20 @@ def test_a_missing_wmt_split_is_reported_before_any_download(tmp_path):
     assert not list(tmp_path.rglob("*.array_record*"))
 
 
+def test_bleu_references_from_tfds_are_the_raw_sentences_as_from_files(multi30k_slice, tmp_path):
+    # Through TFDS (no file) BLEU was scored against the normalized references: "&amp;"
+    # unescaped, a no-break space made a space, where the files path scores the raw lines.
+    folder = multi30k_slice(n=20, splits=("val",))
+    lines = (folder / "val.de").read_text(encoding="utf-8").splitlines()
+    lines[3] = "Ein Hund &amp; eine\u00a0Katze."
+    (folder / "val.de").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    spec = tfds_spec(folder, tmp_path)
+    via_tfds = data.load_corpus(spec, "val", clean=False)
+    via_files = data.load_corpus(spec.replace(dataset="files"), "val", clean=False)
+    assert via_tfds.tgt_path is None and via_tfds.tgt[3] == "Ein Hund & eine Katze."
+    assert via_tfds.references() == via_files.references() == lines
+
+
 def test_edited_files_are_prepared_again(multi30k_slice, tmp_path):
     folder = multi30k_slice(n=20, splits=("val",))
     spec = tfds_spec(folder, tmp_path)
