@@ -260,12 +260,8 @@ def test_step_programs_compiled_side_by_side_train_exactly_as_one_by_one(slice_d
     lazy, _ = restore_params(tmp_path / "lazy", "last")
     _params_equal(ahead, lazy)
 
-    def numbers(workdir):
-        drop = ("elapsed_s", "tokens_per_s")
-        return [{k: v for k, v in r.items() if k not in drop} for r in read_metrics(workdir)]
-
-    assert numbers(tmp_path / "ahead") == numbers(tmp_path / "lazy")
-    assert any("val_loss" in r for r in numbers(tmp_path / "lazy"))
+    assert _timeless_metrics(tmp_path / "ahead") == _timeless_metrics(tmp_path / "lazy")
+    assert any("val_loss" in r for r in _timeless_metrics(tmp_path / "lazy"))
     # The run's clock counts the compiling, as it does when each program comes with its step.
     seconds = float(runs["ahead"].split("compiled: ")[1].split(" programs in ")[1].split(" s")[0])
     assert read_metrics(tmp_path / "ahead")[0]["elapsed_s"] >= seconds
@@ -408,8 +404,10 @@ def test_a_stop_before_the_first_update_saves_nothing_and_the_run_starts_again(
     assert losses == {step: expected[step] for step in (4, 8)}
 
 
-def _timeless(records):
-    return [{k: v for k, v in r.items() if k not in ("elapsed_s", "tokens_per_s")} for r in records]
+def _timeless_metrics(workdir):
+    """A run's metrics.jsonl records without their clock readings (elapsed_s, tokens_per_s)."""
+    drop = ("elapsed_s", "tokens_per_s")
+    return [{k: v for k, v in r.items() if k not in drop} for r in read_metrics(workdir)]
 
 
 @pytest.mark.parametrize("stop_at", [8, 16], ids=["mid-run", "last-step"])
@@ -433,7 +431,7 @@ def test_a_validation_a_stop_skipped_is_run_on_resume_as_in_a_run_never_stopped(
     monkeypatch.undo()
     assert train.main(["--workdir", str(stopped), "--no-progress"]) == 0
     assert f"step {stop_at}: val_loss" in capsys.readouterr().out
-    assert _timeless(read_metrics(stopped)) == _timeless(read_metrics(straight))
+    assert _timeless_metrics(stopped) == _timeless_metrics(straight)
     assert checkpoint_steps(stopped) == checkpoint_steps(straight) == [8, 12, 16]
     with Checkpoints(straight, read_only=True) as a, Checkpoints(stopped, read_only=True) as b:
         assert [b.metrics(s) for s in (8, 12, 16)] == [a.metrics(s) for s in (8, 12, 16)]

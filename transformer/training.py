@@ -1120,10 +1120,7 @@ class Trainer:
             self._log(f"step {step}: validation skipped: stopping")
             self.validation_skipped_at = step  # the checkpoint saved next says so
         elif due_validation:
-            results = self.validate(validation, bleu=due_bleu)
-            val_bleu = results.get("val_bleu")
-            self._metrics.write(step, results)
-            self._log(f"step {step}: " + _format_results(results))
+            val_bleu = self._validate_and_record(validation, bleu=due_bleu)
             tracker.restart_clock()  # validation time is not training throughput
         if due_save or val_bleu is not None:
             self.save(val_bleu=val_bleu)
@@ -1145,11 +1142,21 @@ class Trainer:
         due_eval, due_bleu = self._validation_due(step)
         if validation is None or not (due_eval or due_bleu):
             return
-        results = self.validate(validation, bleu=due_bleu)
-        self._metrics.write(step, results)
-        self._log(f"step {step}: " + _format_results(results) + " (skipped by the stop)")
-        if "val_bleu" in results:
-            self.checkpoints.record_bleu(step, results["val_bleu"])
+        val_bleu = self._validate_and_record(
+            validation, bleu=due_bleu, note=" (skipped by the stop)"
+        )
+        if val_bleu is not None:
+            self.checkpoints.record_bleu(step, val_bleu)
+
+    def _validate_and_record(
+        self, validation: ValidationData, *, bleu: bool, note: str = ""
+    ) -> float | None:
+        """Validates at the current step, writes the record to metrics.jsonl and logs it
+        (with `note`); returns the validation BLEU, if it was measured."""
+        results = self.validate(validation, bleu=bleu)
+        self._metrics.write(self.step, results)
+        self._log(f"step {self.step}: " + _format_results(results) + note)
+        return results.get("val_bleu")
 
     def open_metrics(self) -> None:
         """Opens metrics.jsonl and TensorBoard, dropping records after the resumed step."""
