@@ -196,6 +196,35 @@ def test_a_second_training_run_loads_the_first_runs_programs_and_repeats_it(
     assert len(losses[0]) == 3 and losses[0] == losses[1]
 
 
+def test_a_resume_loads_the_programs_its_run_compiled_and_trains_as_one_run(
+    tmp_path, multi30k_slice, cache_events
+):
+    # README: "A resume, or the same command again, loads those programs". With --cooldown 0
+    # the schedule does not hold --steps, so going on to step 4 runs the 2-step run's program.
+    data_dir = multi30k_slice(n=300, splits=("train", "val"))
+    cache = tmp_path / "xla"
+
+    def run(workdir, steps, *cache_flags):
+        jax.clear_caches()  # each run as a fresh process: only the disk cache carries over
+        hits_before = cache_events.count(CACHE_HIT)
+        flags = [*tiny_train_flags(workdir, data_dir, steps=steps), "--cooldown", "0"]
+        assert train.main([*flags, *cache_flags]) == 0
+        return cache_events.count(CACHE_HIT) - hits_before
+
+    assert run(tmp_path / "run", 2, "--compilation-cache", str(cache)) == 0
+    assert run(tmp_path / "run", 4, "--compilation-cache", str(cache)) > 0
+    assert run(tmp_path / "whole", 4, "--no-compilation-cache") == 0
+    losses = [
+        {
+            r["step"]: r["loss"]
+            for r in map(json.loads, (w / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r
+        }
+        for w in (tmp_path / "run", tmp_path / "whole")
+    ]
+    assert sorted(losses[0]) == [1, 2, 3, 4] and losses[0] == losses[1]
+
+
 def test_no_compilation_cache_flag_writes_nothing(tmp_path, multi30k_slice, monkeypatch):
     monkeypatch.setenv("TRANSFORMER_MT_CACHE", str(tmp_path / "root"))
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
