@@ -1,7 +1,6 @@
 """The persistent compilation cache: programs compiled in one run are loaded by the next,
 with the same results, and the cache leaves no global setting behind."""
 
-import json
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from transformer.compilation_cache import (
     default_cache_dir,
     persistent_compilation_cache,
 )
+from transformer.training import read_metrics
 
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
@@ -173,26 +173,30 @@ def test_default_directory(monkeypatch, tmp_path):
         assert path == tmp_path / "home" / "xla" and path.is_dir()
 
 
+def _train_counting_hits(cache_events, flags, cache_flags) -> int:
+    """Runs train.py's main as a fresh process would (only the disk cache carries over);
+    returns how many programs it loaded from the compilation cache."""
+    jax.clear_caches()
+    hits_before = cache_events.count(CACHE_HIT)
+    assert train.main([*flags, *cache_flags]) == 0
+    return cache_events.count(CACHE_HIT) - hits_before
+
+
 def test_a_second_training_run_loads_the_first_runs_programs_and_repeats_it(
     tmp_path, multi30k_slice, cache_events
 ):
     data_dir = multi30k_slice(n=300, splits=("train", "val"))
-    cache = tmp_path / "xla"
-    runs = []
-    for name in ("first", "second"):
-        jax.clear_caches()  # each run as a fresh process: only the disk cache carries over
-        hits_before = cache_events.count(CACHE_HIT)
-        flags = tiny_train_flags(tmp_path / name, data_dir, steps=3)
-        assert train.main([*flags, "--compilation-cache", str(cache)]) == 0
-        runs.append((tmp_path / name, cache_events.count(CACHE_HIT) - hits_before))
-    (first, first_hits), (second, second_hits) = runs
-    assert first_hits == 0
-    assert second_hits > 0  # the train step (at least) came from the cache
+    cache = ["--compilation-cache", str(tmp_path / "xla")]
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert (
+        _train_counting_hits(cache_events, tiny_train_flags(first, data_dir, steps=3), cache) == 0
+    )
+    # the train step (at least) came from the cache
+    assert (
+        _train_counting_hits(cache_events, tiny_train_flags(second, data_dir, steps=3), cache) > 0
+    )
     # Loaded programs are the compiled ones: the same losses to the last digit.
-    losses = [
-        [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-        for run in (first, second)
-    ]
+    losses = [[record["loss"] for record in read_metrics(run)] for run in (first, second)]
     assert len(losses[0]) == 3 and losses[0] == losses[1]
 
 
@@ -202,24 +206,17 @@ def test_a_resume_loads_the_programs_its_run_compiled_and_trains_as_one_run(
     # README: "A resume, or the same command again, loads those programs". With --cooldown 0
     # the schedule does not hold --steps, so going on to step 4 runs the 2-step run's program.
     data_dir = multi30k_slice(n=300, splits=("train", "val"))
-    cache = tmp_path / "xla"
+    cache = ["--compilation-cache", str(tmp_path / "xla")]
 
-    def run(workdir, steps, *cache_flags):
-        jax.clear_caches()  # each run as a fresh process: only the disk cache carries over
-        hits_before = cache_events.count(CACHE_HIT)
+    def run(workdir, steps, cache_flags):
         flags = [*tiny_train_flags(workdir, data_dir, steps=steps), "--cooldown", "0"]
-        assert train.main([*flags, *cache_flags]) == 0
-        return cache_events.count(CACHE_HIT) - hits_before
+        return _train_counting_hits(cache_events, flags, cache_flags)
 
-    assert run(tmp_path / "run", 2, "--compilation-cache", str(cache)) == 0
-    assert run(tmp_path / "run", 4, "--compilation-cache", str(cache)) > 0
-    assert run(tmp_path / "whole", 4, "--no-compilation-cache") == 0
+    assert run(tmp_path / "run", 2, cache) == 0
+    assert run(tmp_path / "run", 4, cache) > 0
+    assert run(tmp_path / "whole", 4, ["--no-compilation-cache"]) == 0
     losses = [
-        {
-            r["step"]: r["loss"]
-            for r in map(json.loads, (w / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r
-        }
+        {r["step"]: r["loss"] for r in read_metrics(w) if "loss" in r}
         for w in (tmp_path / "run", tmp_path / "whole")
     ]
     assert sorted(losses[0]) == [1, 2, 3, 4] and losses[0] == losses[1]
