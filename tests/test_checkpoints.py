@@ -242,19 +242,33 @@ def test_the_folder_of_a_killed_save_is_removed_by_the_next_run_only(tmp_path, p
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "4"]
 
 
-def test_a_damaged_best_falls_back_to_the_newest_readable(tmp_path, params):
-    # Documented (README: --checkpoint best); only a damaged "last" was tested.
-    with Checkpoints(tmp_path, keep=3) as ckpts:
+def test_a_damaged_best_falls_back_to_the_next_best_then_to_the_newest_readable(tmp_path, params):
+    # Documented (README: --checkpoint best). Before, a damaged best fell back to the
+    # newest checkpoint, unscored here, over step 4 with the next best score.
+    with Checkpoints(tmp_path, keep=4) as ckpts:
         ckpts.save(1, _shifted(params, 1), _OPT, {"rng": [0, 1]}, val_bleu=30.0)
         ckpts.save(2, _shifted(params, 2), _OPT, {"rng": [0, 2]}, val_bleu=10.0)
         ckpts.save(3, _shifted(params, 3), _OPT, {"rng": [0, 3]})
+        ckpts.save(4, _shifted(params, 4), _OPT, {"rng": [0, 4]}, val_bleu=20.0)
+        ckpts.save(5, _shifted(params, 5), _OPT, {"rng": [0, 5]})
+        assert ckpts.ranked_steps() == [1, 4, 2] and ckpts.best_step() == 1
     assert restore_params(tmp_path, "best")[1] == 1
-    damage_checkpoint(tmp_path / "checkpoints" / "1")
-    warnings = []
-    restored, step = restore_params(tmp_path, "best", log=warnings.append)
-    assert step == 3 and len(warnings) == 1 and "step 1" in warnings[0]
-    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(_shifted(params, 3)), strict=True):
-        np.testing.assert_array_equal(a, b)
+    damaged = []
+    for step_to_damage, expected in ((1, 4), (4, 2), (2, 5)):
+        damage_checkpoint(tmp_path / "checkpoints" / str(step_to_damage))
+        damaged.append(step_to_damage)
+        warnings = []
+        restored, step = restore_params(tmp_path, "best", log=warnings.append)
+        assert step == expected
+        # one line per damaged checkpoint passed over, best first, naming what comes next
+        assert len(warnings) == len(damaged)
+        for s, warning in zip(damaged, warnings, strict=True):
+            assert f"step {s} " in warning and "is damaged" in warning
+        then = "the next best" if expected in (4, 2) else "the newest one left"
+        assert warnings[-1].endswith(f"; trying {then}")
+        leaves = jax.tree.leaves(_shifted(params, expected))
+        for a, b in zip(jax.tree.leaves(restored), leaves, strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_damaged_latest_is_reported_and_the_one_before_used(tmp_path, params):

@@ -823,6 +823,14 @@ def test_the_best_checkpoint_is_named_as_the_best_until_it_is_damaged(workdir, t
     assert translate.load_run(run, checkpoint="best").checkpoint == (
         "step 400 (the newest: the best, step 300, is damaged)"
     )
+    # With another scored checkpoint, a damaged best gives way to the next best, not to
+    # the newest (before, the newest was taken whatever its score).
+    metrics = run / "checkpoints" / "200" / "metrics"
+    metrics.mkdir()
+    (metrics / "metrics").write_text('{"val_bleu": 11.0}')
+    assert translate.load_run(run, checkpoint="best").checkpoint == (
+        "step 200 (the best readable: the best, step 300, is damaged)"
+    )
 
 
 def _leaf_means(steps, workdir):

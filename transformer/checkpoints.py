@@ -520,13 +520,17 @@ class Checkpoints:
         """The newest step, or None."""
         return self._manager.latest_step()
 
+    def ranked_steps(self) -> list[int]:
+        """The steps with a `val_bleu`, highest first (the newest first among tied ones)."""
+        metrics = [(s, self._manager.metrics(s)) for s in self.steps()]
+        scored = [(_best_metric(m), s) for s, m in metrics if m and BEST_METRIC in m]
+        return [s for _, s in sorted(scored, reverse=True)]
+
     def best_step(self) -> int | None:
         """The step with the highest `val_bleu` (the newest of tied ones, which BestN keeps),
         or None if no checkpoint has one."""
-        steps = self.steps()
-        scored = [(s, self._manager.metrics(s)) for s in steps]
-        scored = [(_best_metric(m), s) for s, m in scored if m and BEST_METRIC in m]
-        return max(scored)[1] if scored else None
+        ranked = self.ranked_steps()
+        return ranked[0] if ranked else None
 
     def metrics(self, step: int) -> dict[str, float] | None:
         """The metrics saved with `step` (e.g. {"val_bleu": 27.1}), or None."""
@@ -905,17 +909,20 @@ class _Unreadable(CheckpointError):
         self.why = f"{type(error).__name__}: {_first_line(error)}"
         super().__init__(f"{self.where} cannot be read ({self.why})")
 
-    def skipped(self, *, older: bool, kept_as: Path | None = None) -> str:
+    def skipped(
+        self, *, older: bool, kept_as: Path | None = None, then: str = "the one before it"
+    ) -> str:
         """The one-line warning when reading goes on without it.
 
         Args:
           older: one is left to try.
           kept_as: where the damaged checkpoint was moved, if it was.
+          then: which one is tried next, where one is left.
         """
         message = f"{self.where} is damaged and was skipped ({self.why})"
         if kept_as is not None:
             message += f"; kept as {kept_as.name}"
-        return message + ("; trying the one before it" if older else "")
+        return message + (f"; trying {then}" if older else "")
 
 
 def _read_params(ckpts: Checkpoints, step: int) -> PyTree:
@@ -937,9 +944,9 @@ def restore_params(
 
     Args:
       workdir: a directory written by train.py.
-      which: "best" (highest validation BLEU; the last checkpoint if none was
-        scored yet), "last" (newest readable; a damaged newest one is reported
-        and the one before it used), or a step number.
+      which: "best" (highest validation BLEU, the next best where it is damaged;
+        the newest readable if none was scored yet), "last" (newest readable; a
+        damaged newest one is reported and the one before it used), or a step number.
       log: receives one-line warnings.
 
     Returns:
@@ -955,12 +962,12 @@ def restore_params(
         if not steps:
             raise CheckpointError(f"no checkpoints in {ckpts.directory}; train with train.py first")
         if which == "best":
-            best = ckpts.best_step()
-            # A damaged best checkpoint falls back to the newest readable one.
-            candidates = [best] if best is not None else []
-            candidates += [s for s in reversed(steps) if s != best]
+            # A damaged best checkpoint falls back to the next best readable one, and
+            # where no scored one is readable, to the newest readable one.
+            ranked = ckpts.ranked_steps()
+            candidates = ranked + [s for s in reversed(steps) if s not in ranked]
         elif which == "last":
-            candidates = list(reversed(steps))
+            ranked, candidates = [], list(reversed(steps))
         else:
             try:
                 step = int(which)
@@ -973,14 +980,18 @@ def restore_params(
                     f"no checkpoint at step {step} in {ckpts.directory}; available: "
                     f"{', '.join(map(str, steps))}"
                 )
-            candidates = [step]
-        for i, step in enumerate(candidates):
+            ranked, candidates = [], [step]
+        for step, after in zip(candidates, [*candidates[1:], None], strict=True):
             try:
                 return _read_params(ckpts, step), step
             except _Unreadable as e:
-                if i + 1 == len(candidates):
+                if after is None:
                     raise
-                log(e.skipped(older=True))
+                if which != "best":
+                    log(e.skipped(older=True))
+                else:
+                    then = "the next best" if after in ranked else "the newest one left"
+                    log(e.skipped(older=True, then=then))
     raise AssertionError("unreachable")
 
 

@@ -482,14 +482,17 @@ def load_run(
         label = checkpoint
         if checkpoint in ("best", "last"):  # say so where a damaged one was passed over
             with checkpoints.Checkpoints(workdir, read_only=True, log=log) as ckpts:
-                newest, best = ckpts.latest_step(), ckpts.best_step()
+                newest, ranked = ckpts.latest_step(), ckpts.ranked_steps()
             newest_label = "the newest" if step == newest else "the newest readable"
             if checkpoint == "last" and step != newest:
                 label = f"the newest readable: the last, step {newest}, is damaged"
-            elif checkpoint == "best" and best is None:
+            elif checkpoint == "best" and not ranked:
                 label = f"{newest_label}: no checkpoint has a validation BLEU"
-            elif checkpoint == "best" and best != step:
-                label = f"{newest_label}: the best, step {best}, is damaged"
+            elif checkpoint == "best" and step != ranked[0]:
+                # restore_params took the next best readable, or the newest readable one
+                # where no scored checkpoint could be read
+                taken = "the best readable" if step in ranked else newest_label
+                label = f"{taken}: the best, step {ranked[0]}, is damaged"
         description = f"step {step}" + (f" ({label})" if checkpoint in ("best", "last") else "")
     _check_params_fit(model, params, workdir)
     return Run(model, params, tokenizer, config, description)
