@@ -501,9 +501,7 @@ def load_run(
 def _check_params_fit(model: Transformer, params: Any, workdir: str | os.PathLike) -> None:
     """A one-line CheckpointError where the checkpoints' parameters do not have the
     shapes of the model that the workdir's config.json describes (an edited config)."""
-    token = jnp.ones((1, 1), jnp.int32)
-    want = jax.eval_shape(model.init, jax.random.key(0), token, token)["params"]
-    difference = checkpoints.shape_difference(params, want)
+    difference = checkpoints.shape_difference(params, _param_shapes(model))
     if difference:
         name, there, configured = difference
         raise checkpoints.CheckpointError(
@@ -511,3 +509,12 @@ def _check_params_fit(model: Transformer, params: Any, workdir: str | os.PathLik
             f"{checkpoints.CONFIG_FILE}: parameter {name} is {there} there but {configured} "
             "by the config; restore the config its run wrote"
         )
+
+
+@functools.lru_cache(maxsize=8)
+def _param_shapes(model: Transformer) -> Any:
+    """The shapes and dtypes of the model's parameters, traced once per model config in a
+    process (modules compare by config; tracing `init` takes about half a second on a
+    2-core CPU)."""
+    token = jnp.ones((1, 1), jnp.int32)
+    return jax.eval_shape(model.init, jax.random.key(0), token, token)["params"]
