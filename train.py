@@ -801,6 +801,7 @@ class TrainingData:
     batcher: Any
     validation: Any  # transformer.training.ValidationData or None
     summary: list[str]
+    cache_files: list[Path]  # the tokenized splits in the workdir's cache/ that it reads
 
 
 def load_training_data(
@@ -877,8 +878,10 @@ def load_training_data(
             f"rows (a multiple of 8 and of the device count), so those batches go over it, "
             f"up to {max(over)} padded tokens; --max-tokens {max(over)} or more keeps to it"
         )
+    cached = [data.encoded_cache_file(tokenizer, train, cache, max_len=max_len)]
     if val is None:
-        return TrainingData(tokenizer, batcher, None, summary)
+        return TrainingData(tokenizer, batcher, None, summary, cached)
+    cached.append(data.encoded_cache_file(tokenizer, val, cache, max_len=None))
     val_encoded = data.encode_corpus(tokenizer, val, max_len=None, cache_dir=cache)
     val_batches = batcher_of(val_encoded, shuffle=False).one_pass()
     # Validation drops no pair (as evaluate.py); one far longer than training's can run
@@ -903,7 +906,7 @@ def load_training_data(
         references=references,
         tokenizer=tokenizer,
     )
-    return TrainingData(tokenizer, batcher, validation, summary)
+    return TrainingData(tokenizer, batcher, validation, summary, cached)
 
 
 def compiles_side_by_side() -> bool:
@@ -1227,6 +1230,7 @@ def train_loaded(
     step."""
     import jax
 
+    import data
     from data import prefetch
     from transformer.checkpoints import record_environment, save_run_config
     from transformer.training import Trainer, with_data_state
@@ -1262,6 +1266,17 @@ def train_loaded(
                 "train": train_cfg.to_dict(),
             }
             save_run_config(workdir, {**(settings.saved or {}), **sections})  # keeps "environments"
+            # The tokenized splits of data or a tokenizer this run no longer has (edited
+            # files, a tokenizer trained again) would stay for ever. Only now: a run that
+            # stops before training leaves the workdir as it found it.
+            removed, failed = data.prune_encoded_cache(workdir / CACHE_DIR, loaded.cache_files)
+            if removed:
+                log(
+                    f"data: removed {len(removed)} tokenized split(s) of other data or another "
+                    f"tokenizer from {workdir / CACHE_DIR}"
+                )
+            for line in failed:
+                log(f"warning: could not remove a stale tokenized split: {line}")
         num_params = sum(x.size for x in jax.tree.leaves(trainer.params()))
         log(
             f"model: {num_params / 1e6:.2f}M parameters, d_model {model_cfg.d_model}, "

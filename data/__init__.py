@@ -4,7 +4,8 @@ Data flows one way::
 
     load_corpus / read_parallel      raw text -> normalized, cleaned Corpus
     load_or_train_tokenizer          one joint SentencePiece model per run
-    encode_corpus                    Corpus -> token ids (cached on disk)
+    encode_corpus                    Corpus -> token ids (cached on disk;
+                                     prune_encoded_cache drops stale ones)
     TokenBatcher / prefetch          ids -> [devices, batch, length] training batches
     inference_batches                ids -> whole-sentence evaluation batches
     Tokenizer.decode                 ids -> text (for sacreBLEU)
@@ -16,7 +17,9 @@ from data.batching import (
     TokenBatcher,
     choose_bucket_shapes,
     encode_corpus,
+    encoded_cache_file,
     inference_batches,
+    prune_encoded_cache,
 )
 from data.errors import DataError, MissingSplitError
 from data.prefetch import Prefetcher, prefetch
@@ -43,11 +46,13 @@ __all__ = [
     "Tokenizer",
     "choose_bucket_shapes",
     "encode_corpus",
+    "encoded_cache_file",
     "inference_batches",
     "load_corpus",
     "load_or_train_tokenizer",
     "decode_lines",
     "normalize",
+    "prune_encoded_cache",
     "prefetch",
     "read_aligned_lines",
     "read_lines",

@@ -34,7 +34,7 @@ import hashlib
 import math
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -148,7 +148,7 @@ def encode_corpus(
     """
     path = None
     if cache_dir is not None:
-        path = Path(cache_dir) / f"encoded-{_corpus_key(tokenizer, corpus, max_len)[:32]}.npz"
+        path = encoded_cache_file(tokenizer, corpus, cache_dir, max_len=max_len)
         if path.is_file():
             cached = _read_cached(path, max_len)
             if cached is not None:
@@ -175,6 +175,46 @@ def encode_corpus(
 
         write_atomically(path, write)  # no half-written file is left by a full disk
     return encoded
+
+
+def encoded_cache_file(
+    tokenizer, corpus, cache_dir: str | os.PathLike, *, max_len: int | None = DEFAULT_MAX_LEN
+) -> Path:
+    """The file in which `encode_corpus(tokenizer, corpus, max_len=max_len,
+    cache_dir=cache_dir)` keeps the corpus's ids."""
+    return Path(cache_dir) / f"encoded-{_corpus_key(tokenizer, corpus, max_len)[:32]}.npz"
+
+
+def prune_encoded_cache(
+    cache_dir: str | os.PathLike, keep: Iterable[str | os.PathLike]
+) -> tuple[list[Path], list[str]]:
+    """Deletes the ``encoded-*.npz`` files of `cache_dir` other than `keep`.
+
+    Each holds the ids of one (tokenizer, sentences, max_len); one that a run no longer
+    reads (its data edited, its tokenizer trained again) would only take up disk space:
+    reading it again needs that very tokenizer and text, and then it is made again in
+    seconds.
+
+    Args:
+      cache_dir: the folder (`encode_corpus`'s `cache_dir`); a missing one has nothing.
+      keep: the files to keep (`encoded_cache_file`).
+
+    Returns:
+      (the files deleted, one line per file that could not be deleted and why).
+    """
+    keep_names = {Path(k).name for k in keep}
+    removed, failed = [], []
+    folder = Path(cache_dir)
+    stale = sorted(folder.glob("encoded-*.npz")) if folder.is_dir() else []
+    for path in stale:
+        if path.name in keep_names:
+            continue
+        try:
+            path.unlink(missing_ok=True)  # another host of the run may have deleted it
+            removed.append(path)
+        except OSError as e:
+            failed.append(f"{path}: {e.strerror or e}")
+    return removed, failed
 
 
 def _thin(values: np.ndarray, limit: int) -> np.ndarray:

@@ -102,6 +102,15 @@ def test_token_cache_is_reused_and_invalidated(multi30k_tokenizer, multi30k_slic
     data.encode_corpus(other_tok, corpus, max_len=64, cache_dir=cache)  # tokenizer changed
     assert len(list(cache.glob("encoded-*.npz"))) == 5
 
+    # What a run reads now stays; the four others go, and nothing but their kind is touched.
+    in_use = data.encoded_cache_file(tok, edited, cache, max_len=64)
+    assert in_use in cache.glob("encoded-*.npz")
+    (cache / "notes.txt").write_text("mine")
+    removed, failed = data.prune_encoded_cache(cache, keep=[in_use])
+    assert len(removed) == 4 and failed == [] and in_use not in removed
+    assert sorted(cache.iterdir()) == sorted([in_use, cache / "notes.txt"])
+    assert data.prune_encoded_cache(tmp_path / "no such folder", keep=[]) == ([], [])
+
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "lengths", "counts", "header"])
 def test_a_damaged_token_cache_is_made_again_with_a_warning(

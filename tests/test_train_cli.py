@@ -642,6 +642,27 @@ def test_resuming_with_fewer_steps_than_done_trains_nothing_and_keeps_the_run_co
         assert checkpoint_steps(straight_run) == steps == [8, 12, 16]
 
 
+def test_tokenized_splits_a_run_no_longer_reads_are_removed_once_it_trains(
+    straight_run, tmp_path, capsys
+):
+    # Before, the ids of edited data or of a tokenizer trained again stayed in cache/ for
+    # ever. A run that trains nothing leaves the workdir as it found it.
+    run = tmp_path / "run"
+    shutil.copytree(straight_run, run)
+    in_use = sorted((run / "cache").glob("encoded-*.npz"))
+    assert len(in_use) == 2  # the train and val splits
+    stale = run / "cache" / ("encoded-" + "0" * 32 + ".npz")
+    shutil.copy(in_use[0], stale)
+    assert train.main(["--workdir", str(run), "--steps", "16"]) == 0  # nothing to train
+    assert stale.exists()
+    capsys.readouterr()
+    assert train.main(["--workdir", str(run), "--steps", "17"]) == 0
+    assert f"data: removed 1 tokenized split(s) of other data or another tokenizer from {run}" in (
+        capsys.readouterr().out
+    )
+    assert sorted((run / "cache").iterdir()) == in_use
+
+
 def test_non_finite_loss_exits_1_with_the_step_and_keeps_the_last_checkpoint(
     slice_dir, tmp_path, capsys, monkeypatch
 ):
