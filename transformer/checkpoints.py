@@ -961,13 +961,13 @@ def restore_params(
         steps = ckpts.steps()
         if not steps:
             raise CheckpointError(f"no checkpoints in {ckpts.directory}; train with train.py first")
+        ranked = ckpts.ranked_steps() if which == "best" else []
         if which == "best":
             # A damaged best checkpoint falls back to the next best readable one, and
             # where no scored one is readable, to the newest readable one.
-            ranked = ckpts.ranked_steps()
             candidates = ranked + [s for s in reversed(steps) if s not in ranked]
         elif which == "last":
-            ranked, candidates = [], list(reversed(steps))
+            candidates = list(reversed(steps))
         else:
             try:
                 step = int(which)
@@ -980,18 +980,17 @@ def restore_params(
                     f"no checkpoint at step {step} in {ckpts.directory}; available: "
                     f"{', '.join(map(str, steps))}"
                 )
-            ranked, candidates = [], [step]
+            candidates = [step]
         for step, after in zip(candidates, [*candidates[1:], None], strict=True):
             try:
                 return _read_params(ckpts, step), step
             except _Unreadable as e:
                 if after is None:
                     raise
-                if which != "best":
-                    log(e.skipped(older=True))
-                else:
+                then = "the one before it"
+                if which == "best":
                     then = "the next best" if after in ranked else "the newest one left"
-                    log(e.skipped(older=True, then=then))
+                log(e.skipped(older=True, then=then))
     raise AssertionError("unreachable")
 
 
