@@ -28,6 +28,7 @@ from transformer.checkpoints import (
     kept_last,
     load_run_config,
     name_aside,
+    restore_chosen,
     restore_last,
     restore_params,
     save_run_config,
@@ -266,6 +267,10 @@ def test_a_damaged_best_falls_back_to_the_next_best_then_to_the_newest_readable(
             assert f"step {s} " in warning and "is damaged" in warning
         then = "the next best" if expected in (4, 2) else "the newest one left"
         assert warnings[-1].endswith(f"; trying {then}")
+        # what evaluate.py's header says it scored
+        taken = "the best readable" if expected in (4, 2) else "the newest"
+        label = restore_chosen(tmp_path, "best", log=lambda line: None).label
+        assert label == f"{taken}: the best, step 1, is damaged"
         leaves = jax.tree.leaves(_shifted(params, expected))
         for a, b in zip(jax.tree.leaves(restored), leaves, strict=True):
             np.testing.assert_array_equal(a, b)
@@ -278,7 +283,8 @@ def test_damaged_latest_is_reported_and_the_one_before_used(tmp_path, params):
     damage_checkpoint(tmp_path / "checkpoints" / "2")
     warnings = []
     # Reading for evaluation leaves the workdir as it is.
-    assert restore_params(tmp_path, "last", log=warnings.append)[1] == 1
+    chosen = restore_chosen(tmp_path, "last", log=warnings.append)
+    assert chosen.step == 1 and chosen.label == "the newest readable: the last, step 2, is damaged"
     assert len(warnings) == 1 and "step 2" in warnings[0] and "damaged" in warnings[0]
     with pytest.raises(CheckpointError, match="cannot be read"):
         restore_params(tmp_path, 2)

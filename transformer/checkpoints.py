@@ -957,6 +957,27 @@ def restore_params(
     Raises:
       CheckpointError: no such checkpoint, or it cannot be read.
     """
+    chosen = restore_chosen(workdir, which, log=log)
+    return chosen.params, chosen.step
+
+
+class Chosen(NamedTuple):
+    """The parameters `restore_chosen` read, their step, and which checkpoint that is."""
+
+    params: PyTree
+    step: int
+    label: str  # "best", "last" or the step; what was passed over, where one was damaged
+
+
+def restore_chosen(
+    workdir: str | os.PathLike,
+    which: str | int = "best",
+    *,
+    log: Callable[[str], None] = _stderr,
+) -> Chosen:
+    """`restore_params`, with a label saying which checkpoint was read: `which`, or for
+    "best" and "last" where that one was damaged or none was scored, what was read
+    instead ("the best readable: the best, step 300, is damaged")."""
     with Checkpoints(workdir, read_only=True, log=log) as ckpts:
         steps = ckpts.steps()
         if not steps:
@@ -983,7 +1004,7 @@ def restore_params(
             candidates = [step]
         for step, after in zip(candidates, [*candidates[1:], None], strict=True):
             try:
-                return _read_params(ckpts, step), step
+                params = _read_params(ckpts, step)
             except _Unreadable as e:
                 if after is None:
                     raise
@@ -991,7 +1012,23 @@ def restore_params(
                 if which == "best":
                     then = "the next best" if after in ranked else "the newest one left"
                 log(e.skipped(older=True, then=then))
+                continue
+            return Chosen(params, step, _choice_label(which, step, steps[-1], ranked))
     raise AssertionError("unreachable")
+
+
+def _choice_label(which: str | int, step: int, newest: int, ranked: list[int]) -> str:
+    """Which checkpoint `restore_chosen` read, where it is not plainly `which`."""
+    newest_label = "the newest" if step == newest else "the newest readable"
+    if which == "last" and step != newest:
+        return f"the newest readable: the last, step {newest}, is damaged"
+    if which == "best" and not ranked:
+        return f"{newest_label}: no checkpoint has a validation BLEU"
+    if which == "best" and step != ranked[0]:
+        # the next best readable, or the newest readable where no scored one could be read
+        taken = "the best readable" if step in ranked else newest_label
+        return f"{taken}: the best, step {ranked[0]}, is damaged"
+    return str(which)
 
 
 def restore_last(

@@ -472,27 +472,13 @@ def load_run(
     model, tokenizer, config = load_model(workdir)
     if checkpoint is None and average_last <= 0:
         average_last = default_average_last(workdir, config)
-        checkpoint = "last"  # with no checkpoint at all, restore_params says what is missing
+        checkpoint = "last"  # with no checkpoint at all, restore_chosen says what is missing
     if average_last > 0:
         trees, steps = checkpoints.restore_last(workdir, average_last, log=log)
         params = checkpoints.average_params(trees)
         description = f"average of steps {', '.join(map(str, steps))}"
     else:
-        params, step = checkpoints.restore_params(workdir, checkpoint, log=log)
-        label = checkpoint
-        if checkpoint in ("best", "last"):  # say so where a damaged one was passed over
-            with checkpoints.Checkpoints(workdir, read_only=True, log=log) as ckpts:
-                newest, ranked = ckpts.latest_step(), ckpts.ranked_steps()
-            newest_label = "the newest" if step == newest else "the newest readable"
-            if checkpoint == "last" and step != newest:
-                label = f"the newest readable: the last, step {newest}, is damaged"
-            elif checkpoint == "best" and not ranked:
-                label = f"{newest_label}: no checkpoint has a validation BLEU"
-            elif checkpoint == "best" and step != ranked[0]:
-                # restore_params took the next best readable, or the newest readable one
-                # where no scored checkpoint could be read
-                taken = "the best readable" if step in ranked else newest_label
-                label = f"{taken}: the best, step {ranked[0]}, is damaged"
+        params, step, label = checkpoints.restore_chosen(workdir, checkpoint, log=log)
         description = f"step {step}" + (f" ({label})" if checkpoint in ("best", "last") else "")
     _check_params_fit(model, params, workdir)
     return Run(model, params, tokenizer, config, description)
