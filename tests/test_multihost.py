@@ -99,6 +99,36 @@ def close_then_fail(self):
     raise OSError(errno.ENOSPC, "No space left on device", "metrics.jsonl")
 training.MetricsLog.close = close_then_fail
 """
+# train.py's client of JAX's coordination service, wrapped so that one of train.py's own
+# calls (by key or barrier name) first does something else (the two preludes below, each
+# after this one); Orbax's calls pass through.
+_WRAPPED_CLIENT = """
+import orbax.checkpoint as ocp
+get_client = ocp.multihost.get_jax_distributed_client
+class Client:
+    def __init__(self, client):
+        self._client = client
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+ocp.multihost.get_jax_distributed_client = lambda: Client(get_client())
+"""
+# Process 1 says so once it has ended its run well, on its way into the barrier where a
+# host that ended well waits for the others; process 0 posts its failure only after that.
+DONE_KEY = "test/process 1 ended well"
+SAYS_IT_ENDED_WELL = f"""
+def wait_at_barrier(self, name, timeout_ms, *args, **kwargs):
+    if name == "train.py/finished":
+        self._client.key_value_set({DONE_KEY!r}, "1")
+    return self._client.wait_at_barrier(name, timeout_ms, *args, **kwargs)
+Client.wait_at_barrier = wait_at_barrier
+"""
+FAILS_ONCE_PROCESS_1_ENDED_WELL = f"""
+def key_value_set(self, key, value, *args, **kwargs):
+    if key == "train.py/failure":
+        self._client.blocking_key_value_get({DONE_KEY!r}, 60_000)
+    return self._client.key_value_set(key, value, *args, **kwargs)
+Client.key_value_set = key_value_set
+"""
 RUN_TRAIN = """
 import runpy, sys
 sys.argv = ["train.py", *sys.argv[1:]]
@@ -241,9 +271,14 @@ def test_an_error_on_one_host_ends_every_host_with_its_line(slice_dir, tmp_path)
 
 def test_an_error_on_one_host_after_the_others_finished_ends_them_too(slice_dir, tmp_path):
     # Before, process 1 printed "done" and, once process 0 had ended, JAX aborted it with
-    # a crash report (-6) that did not say why.
+    # a crash report (-6) that did not say why. Process 0 posts its failure only once
+    # process 1 has ended its run: else its post can come first (it did once in .ci/run).
     flags = _flags(slice_dir, tmp_path / "run", 4)
-    outputs = _train(flags, processes=2, devices=1, preludes={0: FULL_DISK_AT_THE_END}, status=1)
+    preludes = {
+        0: FULL_DISK_AT_THE_END + _WRAPPED_CLIENT + FAILS_ONCE_PROCESS_1_ENDED_WELL,
+        1: _WRAPPED_CLIENT + SAYS_IT_ENDED_WELL,
+    }
+    outputs = _train(flags, processes=2, devices=1, preludes=preludes, status=1)
     line = "metrics.jsonl: No space left on device; make room there"
     assert "done: step 4 of 4" in outputs[1]
     assert f"error: {line}" in outputs[0]
