@@ -975,9 +975,19 @@ def restore_chosen(
     *,
     log: Callable[[str], None] = _stderr,
 ) -> Chosen:
-    """`restore_params`, with a label saying which checkpoint was read: `which`, or for
-    "best" and "last" where that one was damaged or none was scored, what was read
-    instead ("the best readable: the best, step 300, is damaged")."""
+    """`restore_params`, also saying which checkpoint it read.
+
+    Args:
+      workdir, which, log: as for `restore_params`.
+
+    Returns:
+      A `Chosen`: the parameters and step `restore_params` returns, and a label that is
+      `which` itself, or for "best" and "last" where that one was damaged or none was
+      scored, what was read instead ("the best readable: the best, step 300, is damaged").
+
+    Raises:
+      CheckpointError: no such checkpoint, or it cannot be read.
+    """
     with Checkpoints(workdir, read_only=True, log=log) as ckpts:
         steps = ckpts.steps()
         if not steps:
