@@ -1,5 +1,6 @@
 """Batching: token cache, bucket shapes, padding efficiency, resume, device independence."""
 
+import itertools
 import json
 import threading
 import time
@@ -486,7 +487,8 @@ def test_prefetch_runs_at_most_size_items_ahead():
 
 def toy_batcher(src, tgt, **kw):
     corpus = data.EncodedCorpus(src=src, tgt=tgt)
-    return data.TokenBatcher(corpus, pad_id=0, bos_id=1, num_devices=1, **kw)
+    kw.setdefault("num_devices", 1)
+    return data.TokenBatcher(corpus, pad_id=0, bos_id=1, **kw)
 
 
 def ids(n):
@@ -528,6 +530,81 @@ def test_shapes_of_as_many_pairs_are_shuffled_each_its_own_way():
         orders[batch["src"].shape[-1]].extend(global_rows(batch, "tgt_out")[:, 0] - 100)
     assert sorted(orders[4]) == list(range(16)) and sorted(orders[32]) == list(range(16, 32))
     assert orders[4] != [i - 16 for i in orders[32]]  # not one permutation for both
+
+
+def padded_positions(src_len, tgt_len, shapes):
+    """Source plus target positions of every pair padded to the cheapest shape covering it."""
+    k = data.batching._assign(src_len, tgt_len, shapes)
+    return int(sum(shapes[i][0] + shapes[i][1] for i in k))
+
+
+def check_shapes(src_len, tgt_len, shapes, max_shapes):
+    """What every shape set promises: at most max_shapes, sorted by S + T, the last covering
+    the longest pairs (so every pair has a shape)."""
+    assert len(shapes) <= max_shapes and len(set(shapes)) == len(shapes)
+    assert shapes == sorted(shapes, key=lambda st: (st[0] + st[1], st))
+    assert shapes[-1] == (src_len.max(), tgt_len.max())
+
+
+def test_bucket_shapes_are_not_improved_by_swapping_any_one_shape():
+    # The greedy pick and its swap passes end where no single shape swapped for any other
+    # (S, T) pads less: checked here against every pair of lengths in the corpus.
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        src = rng.integers(1, 30, 200)
+        tgt = np.clip(src + rng.integers(-5, 6, 200), 1, None)
+        shapes = data.batching.choose_bucket_shapes(src, tgt, max_shapes=4)
+        check_shapes(src, tgt, shapes, 4)
+        cost = padded_positions(src, tgt, shapes)
+        for i in range(len(shapes) - 1):  # the last, covering shape stays
+            for swap in itertools.product(np.unique(src).tolist(), np.unique(tgt).tolist()):
+                others = shapes[:i] + [swap] + shapes[i + 1 :]
+                assert padded_positions(src, tgt, others) >= cost, (seed, shapes[i], swap)
+
+
+def test_bucket_shapes_of_a_long_tailed_corpus():
+    # WMT-like lengths, 1 to 250 tokens: more distinct lengths than the 64 per side that the
+    # shape search tries, so it picks its candidates along the length distribution.
+    rng = np.random.default_rng(0)
+    src = np.clip(np.round(rng.lognormal(3.0, 0.6, 20000)), 1, 250).astype(np.int64)
+    tgt = np.clip(np.round(src * rng.lognormal(0.05, 0.15, 20000)), 1, 250).astype(np.int64)
+    assert len(np.unique(src)) > 64 and len(np.unique(tgt)) > 64
+    shapes = data.batching.choose_bucket_shapes(src, tgt, max_shapes=12)
+    check_shapes(src, tgt, shapes, 12)
+    assert len(shapes) == 12
+    # One shape would hold 12% real tokens here; twelve hold 85% (measured; 80% asserted).
+    assert (src + tgt).sum() / padded_positions(src, tgt, shapes) >= 0.80
+
+
+def test_no_shape_is_kept_that_pads_no_pair_less():
+    # Two lengths need two shapes; (4, 32) and (32, 4) would save nothing, so a twelve-shape
+    # budget still compiles two programs.
+    lengths = np.array([4] * 10 + [32] * 10)
+    assert data.batching.choose_bucket_shapes(lengths, lengths, max_shapes=12) == [(4, 4), (32, 32)]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(num_devices=0),
+        dict(process_count=0),
+        dict(process_index=2, process_count=2),
+        dict(process_index=-1, process_count=2),
+    ],
+)
+def test_a_bad_device_layout_is_a_data_error(layout):
+    with pytest.raises(data.DataError, match="bad device layout"):
+        toy_batcher([ids(4)] * 8, [ids(4)] * 8, max_tokens=64, **layout)
+
+
+def test_an_empty_corpus_or_budget_is_a_data_error():
+    with pytest.raises(data.DataError, match="no training pairs"):
+        toy_batcher([], [], max_tokens=64)
+    assert toy_batcher([ids(4)], [ids(4)], max_tokens=64).shapes == [(8, 4, 4)]  # one is enough
+    with pytest.raises(data.DataError, match="max_tokens must be positive"):
+        toy_batcher([ids(4)] * 8, [ids(4)] * 8, max_tokens=0)
+    # A budget below one row still makes batches of the fewest rows, 8.
+    assert toy_batcher([ids(4)] * 8, [ids(4)] * 8, max_tokens=1).shapes == [(8, 4, 4)]
 
 
 @pytest.mark.parametrize("state", [{"position": 3}, None, {"position": "x", "seed": 0}])
