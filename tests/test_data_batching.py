@@ -547,8 +547,8 @@ def check_shapes(src_len, tgt_len, shapes, max_shapes):
 
 
 def test_bucket_shapes_are_not_improved_by_swapping_any_one_shape():
-    # The greedy pick and its swap passes end where no single shape swapped for any other
-    # (S, T) pads less: checked here against every pair of lengths in the corpus.
+    # The greedy pick and its swap passes end where no shape but the covering one, swapped
+    # for another (S, T), pads less: checked against every S and T of the corpus's lengths.
     for seed in range(6):
         rng = np.random.default_rng(seed)
         src = rng.integers(1, 30, 200)
