@@ -309,6 +309,40 @@ def test_the_early_stop_waits_for_outputs_the_length_penalty_may_favour(beam_siz
     assert float(scores[0]) == pytest.approx(expected, rel=1e-5)
 
 
+class _EndOutranked(_Scripted):
+    """A decoder whose end token is probable only at position 1: words 3 and 4 with P 0.6
+    and 0.4 first, then 3, 4 and the end with 0.46, 0.44 and 0.1, then 3 and 4 with 0.52
+    and 0.48 (the end never) up to the length limit."""
+
+    def decode(self, encoded, src, tgt, decode=False):
+        position, token = jnp.arange(tgt.shape[1])[None, :, None], jnp.arange(5)[None, None]
+        p_by_position = {0: (0.6, 0.4, 0.0), 1: (0.46, 0.44, 0.1), 2: (0.52, 0.48, 0.0)}
+        logits = jnp.full((1, tgt.shape[1], 5), -1e9)
+        for at, (p3, p4, p_end) in p_by_position.items():
+            here = (position == at) if at < 2 else (position >= at)
+            for t, p in ((3, p3), (4, p4), (EOS, p_end)):
+                if p:
+                    logits = jnp.where(here & (token == t), np.log(p), logits)
+        return jnp.broadcast_to(logits, (*tgt.shape, 5))
+
+
+def test_an_end_token_outranked_by_the_beam_does_not_finish():
+    # Beam 2, plain log P. At step 2 the beams "3" (0.6) and "4" (0.4) extend to "3 3"
+    # 0.276, "3 4" 0.264, "4 3" 0.184, "4 4" 0.176 and the ends "3 </s>" 0.06 and "4 </s>"
+    # 0.04. "4 </s>" has the two kept extensions and "3 </s>" above it, so it ranks third
+    # and does not finish (fairseq's rule), nor does "3 </s>" (third too): the search goes
+    # on to the limit, 6 tokens, where "3 3 3 3 3 3" has 0.276 * 0.52^4 = 0.020. An end
+    # token counted as finishing where the end tokens above it were subtracted from its
+    # rank instead of added would end with "4 </s>" (0.04).
+    src = jnp.array([[3, 3, 2]], jnp.int32)
+    tokens, scores = beam_search(
+        _EndOutranked(), {}, src, bos_id=BOS, eos_id=EOS, pad_id=PAD,
+        beam_size=2, alpha=0.0, max_extra_len=3, use_cache=False,
+    )  # fmt: skip
+    assert np.asarray(tokens)[0, :6].tolist() == [3] * 6
+    assert float(scores[0]) == pytest.approx(np.log(0.6 * 0.46 * 0.52**4), rel=1e-5)
+
+
 class _PaddingFirst(_Scripted):
     """A decoder that puts padding first at every step, then word 4, and from position 3
     the end token between the two."""
