@@ -314,16 +314,15 @@ class _EndOutranked(_Scripted):
     and 0.4 first, then 3, 4 and the end with 0.46, 0.44 and 0.1, then 3 and 4 with 0.52
     and 0.48 (the end never) up to the length limit."""
 
+    P_PV = np.zeros((3, 5))  # P[position, token]; the last row holds from position 2 on
+    P_PV[0, [3, 4]] = 0.6, 0.4
+    P_PV[1, [3, 4, EOS]] = 0.46, 0.44, 0.1
+    P_PV[2, [3, 4]] = 0.52, 0.48
+
     def decode(self, encoded, src, tgt, decode=False):
-        position, token = jnp.arange(tgt.shape[1])[None, :, None], jnp.arange(5)[None, None]
-        p_by_position = {0: (0.6, 0.4, 0.0), 1: (0.46, 0.44, 0.1), 2: (0.52, 0.48, 0.0)}
-        logits = jnp.full((1, tgt.shape[1], 5), -1e9)
-        for at, (p3, p4, p_end) in p_by_position.items():
-            here = (position == at) if at < 2 else (position >= at)
-            for t, p in ((3, p3), (4, p4), (EOS, p_end)):
-                if p:
-                    logits = jnp.where(here & (token == t), np.log(p), logits)
-        return jnp.broadcast_to(logits, (*tgt.shape, 5))
+        logits_PV = np.log(self.P_PV, where=self.P_PV > 0, out=np.full((3, 5), -1e9))
+        logits_TV = jnp.asarray(logits_PV)[jnp.minimum(jnp.arange(tgt.shape[1]), 2)]
+        return jnp.broadcast_to(logits_TV, (*tgt.shape, 5))
 
 
 def test_an_end_token_outranked_by_the_beam_does_not_finish():
