@@ -77,6 +77,8 @@ def test_learning_rate_schedule_is_the_papers_formula():
         np.testing.assert_allclose(float(schedule(step - 1)), paper(step), rtol=1e-5)
     rates = [float(schedule(c)) for c in range(0, 8000, 50)]
     assert int(np.argmax(rates)) * 50 + 1 in range(3950, 4051)  # peak at the end of warmup
+    unscaled = learning_rate_schedule(d_model, warmup)  # scale 1 unless told
+    np.testing.assert_allclose(float(unscaled(4000 - 1)), paper(4000) / 2.0, rtol=1e-5)
 
 
 def test_cooldown_falls_linearly_to_zero_over_the_last_steps():
@@ -93,6 +95,21 @@ def test_cooldown_falls_linearly_to_zero_over_the_last_steps():
     assert float(cooled(total)) == 0.0
     with pytest.raises(ValueError, match="total_steps"):
         learning_rate_schedule(d_model, warmup, cooldown=0.2)
+
+
+def test_a_cooldown_lasts_at_least_one_update_and_needs_a_run_of_one_or_more():
+    # 1% of 10 updates rounds to none: the cooldown is then the last update, whose factor
+    # is 1 (as a longer cooldown's last update gets 1/cooldown_steps), and it ends at 0.
+    paper = learning_rate_schedule(64, 4)
+    short = learning_rate_schedule(64, 4, total_steps=10, cooldown=0.01)
+    for count in range(10):
+        np.testing.assert_allclose(float(short(count)), float(paper(count)), rtol=1e-6)
+    assert float(short(10)) == 0.0
+    single = learning_rate_schedule(64, 4, total_steps=1, cooldown=0.2)  # a one-update run
+    np.testing.assert_allclose(float(single(0)), float(paper(0)), rtol=1e-6)
+    assert float(single(1)) == 0.0
+    with pytest.raises(ValueError, match="a cooldown needs total_steps >= 1, got 0"):
+        learning_rate_schedule(64, 4, total_steps=0, cooldown=0.2)
 
 
 def test_sqrt_cooldown_falls_as_one_minus_the_root_of_its_progress():
