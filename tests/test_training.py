@@ -338,9 +338,50 @@ def test_each_step_draws_its_own_dropout_masks(tiny_setup):
     step = make_train_step(model, optimizer, label_smoothing=0.0, pad_id=tokenizer.pad_id)
     losses = []
     for at in (0, 0, 1):
-        _, metrics = step(replicate(state.replace(step=np.asarray(at, np.int32))), batch)
+        after, metrics = step(replicate(state.replace(step=np.asarray(at, np.int32))), batch)
         losses.append(float(unreplicate(metrics)["loss"]))
+        # The step counts itself: a step that left it (or took it back) drew the masks of
+        # the one before, with every test above still passing.
+        assert int(unreplicate(after.step)) == at + 1
     assert losses[0] == losses[1] != losses[2]
+
+
+def test_a_step_updates_the_state_in_place_and_padding_alone_changes_nothing(tiny_setup):
+    # The state is donated: the step's input buffers are reused for its output, so a
+    # run holds one copy of the parameters and Adam's moments, not two. A global batch
+    # of padding alone (no target token) is a zero loss and gradient, not 0 / 0 = NaN.
+    tokenizer, encoded, model_config = tiny_setup
+    model = Transformer(model_config)
+    optimizer = make_optimizer(TrainConfig(steps=10, **_RECIPE), model_config.d_model)
+    state = create_train_state(model, optimizer, seed=0)
+    batch = next(iter(_batcher(tokenizer, encoded)))
+    empty = {**batch, "tgt_out": np.full_like(batch["tgt_out"], tokenizer.pad_id)}
+    step = make_train_step(model, optimizer, label_smoothing=0.1, pad_id=tokenizer.pad_id)
+    given = replicate(state)
+    after, metrics = step(given, empty)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(given.params))
+    metrics = {k: float(v) for k, v in unreplicate(metrics).items()}
+    assert metrics == {"loss": 0.0, "nll": 0.0, "num_tokens": 0.0, "grad_norm": 0.0}
+    for before, now in zip(
+        jax.tree.leaves(state.params), jax.tree.leaves(unreplicate(after.params)), strict=True
+    ):
+        np.testing.assert_array_equal(now, before)
+
+
+def test_validation_of_a_model_with_dropout_is_without_it(tiny_setup):
+    # The eval step ran in training mode unnoticed: every model the tests gave it had no
+    # dropout. The validation nll is the dropout-free model's, as the search sees it.
+    tokenizer, encoded, model_config = tiny_setup
+    model = Transformer(model_config.replace(dropout_rate=0.3))
+    optimizer = make_optimizer(TrainConfig(steps=10, **_RECIPE), model_config.d_model)
+    params = create_train_state(model, optimizer, seed=0).params
+    batch = next(iter(_batcher(tokenizer, encoded)))
+    eval_step = make_eval_step(model, label_smoothing=0.1, pad_id=tokenizer.pad_id)
+    val = evaluate_loss(eval_step, replicate(params), [batch])
+    src, tgt_in, tgt_out = (np.concatenate(batch[k]) for k in ("src", "tgt_in", "tgt_out"))
+    logits = jax.jit(model.apply)({"params": params}, src, tgt_in)
+    nll_sum, n = label_smoothed_cross_entropy(logits, tgt_out, tokenizer.pad_id, 0.0)
+    assert val["val_nll"] == pytest.approx(float(nll_sum) / int(n), rel=1e-5)
 
 
 def test_a_tiny_set_can_be_overfit(tiny_setup, tmp_path):
