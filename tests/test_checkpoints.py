@@ -527,6 +527,19 @@ def test_an_average_past_a_single_kept_checkpoint_is_refused(tmp_path, params):
         restore_last(tmp_path, 2)
 
 
+@pytest.mark.parametrize("keep", [0, -1, "2", None])
+def test_a_config_that_says_no_usable_keep_averages_the_checkpoints_alone(tmp_path, params, keep):
+    # An edited config.json: the average is of the checkpoints there, not refused as
+    # reaching past the "last 0", nor a TypeError comparing None with 1.
+    train = {} if keep is None else {"keep_checkpoints": keep}
+    (tmp_path / "config.json").write_text(json.dumps({"model": {}, "train": train}))
+    assert kept_last(load_run_config(tmp_path)) is None
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        for step in (2, 4, 6):
+            ckpts.save(step, _shifted(params, step), _OPT, {})
+    assert restore_last(tmp_path, 3)[1] == [2, 4, 6]
+
+
 def test_a_damaged_metrics_file_names_the_last_bleu_logged_for_its_step(tmp_path, params):
     # A step validated twice (a resume from before it did it again): the second BLEU is the
     # one its checkpoint was saved with.
