@@ -466,10 +466,9 @@ def beam_search(
         )
         state = decoder.reorder(state, (first_row_B1 + parent_BK).reshape(-1))
 
-        # The best reachable score of an alive hypothesis: log P can only fall,
-        # and lp is monotonic in the length, so take the larger lp end.
-        largest_lp_B = jnp.maximum(length_penalty(t + 2, alpha), length_penalty(limit_B, alpha))
-        bound_B = alive_logp_BK[:, 0] / largest_lp_B
+        # The best reachable score of an alive hypothesis: log P (<= 0) can only fall,
+        # and lp only grows with the length (alpha >= 0), so lp at the limit bounds it.
+        bound_B = alive_logp_BK[:, 0] / length_penalty(limit_B, alpha)
         done_B = done_B | (t + 1 >= limit_B) | (bound_B <= best_score_B)
         alive_logp_BK = jnp.where(done_B[:, None], _NEG_INF, alive_logp_BK)
         return t + 1, state, alive_BKL, alive_logp_BK, best_BL, best_score_B, done_B
