@@ -342,6 +342,33 @@ def test_an_end_token_outranked_by_the_beam_does_not_finish():
     assert float(scores[0]) == pytest.approx(np.log(0.6 * 0.46 * 0.52**4), rel=1e-5)
 
 
+class _Successor(_Scripted):
+    """A decoder whose next token follows from its input token alone: the start token
+    is followed by word 3, 3 by 4, and 4 by the end token, each surely."""
+
+    NEXT = {BOS: 3, 3: 4, 4: EOS}
+
+    def decode(self, encoded, src, tgt, decode=False):
+        logits_IV = np.full((5, 5), -1e9)
+        for given, following in self.NEXT.items():
+            logits_IV[given, following] = 0.0
+        return jnp.asarray(logits_IV)[tgt]
+
+
+@pytest.mark.parametrize("beam_size", [None, 1, 2])
+def test_each_step_feeds_the_token_produced_just_before(beam_size):
+    # The random models repeat one token ("5 5 5 5"), so a search that fed the token of
+    # two steps back gave the same outputs and passed every test; here it would give
+    # "3 4 4 4 4 4".
+    src = jnp.array([[3, 3, 2]], jnp.int32)
+    kw = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_extra_len=3, use_cache=False)
+    if beam_size is None:
+        tokens = greedy_search(_Successor(), {}, src, **kw)
+    else:
+        tokens, _ = beam_search(_Successor(), {}, src, beam_size=beam_size, alpha=0.6, **kw)
+    assert np.asarray(tokens)[0].tolist() == [3, 4, EOS, PAD, PAD, PAD]
+
+
 class _PaddingFirst(_Scripted):
     """A decoder that puts padding first at every step, then word 4, and from position 3
     the end token between the two."""
