@@ -387,3 +387,12 @@ def test_write_text_atomically_leaves_the_old_file_or_the_new_never_half(tmp_pat
         data.text.write_text_atomically(path, "zwei\n")
     assert path.read_bytes() == "Grüße\n".encode()
     assert [p.name for p in path.parent.iterdir()] == ["hyp.de"]
+
+
+def test_a_runs_data_settings_name_its_corpus_and_the_rest_take_defaults():
+    # config.json's "data" holds the corpus fields beside the vocabulary and batching
+    # settings; an old run's may lack fields added since.
+    settings = {"dataset": "files", "data_dir": "/d", "src": "de", "tgt": "en", "vocab_size": 8}
+    spec = data.CorpusSpec.from_settings(settings)
+    assert spec == data.CorpusSpec(dataset="files", data_dir="/d", src="de", tgt="en")
+    assert data.CorpusSpec.from_settings({"src": "de"}) == data.CorpusSpec(src="de")
