@@ -419,3 +419,32 @@ def test_a_sentence_allowed_no_token_gets_none():
     assert (greedy[1] == PAD).all() and (np.asarray(beam)[1] == PAD).all()
     assert scores[1] == -np.inf and np.isfinite(scores[0])
     assert (greedy[0] != PAD).any() and (np.asarray(beam)[0] != PAD).any()
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_a_sentence_allowed_one_or_two_tokens_gets_them_cut_at_its_limit(limit):
+    # An all-padding source's limit is max_extra_len; the successor decoder would go on
+    # "3 4 </s>". A limit of 1 once started done, like a limit of 0, and got no token.
+    src = jnp.zeros((1, 3), jnp.int32)
+    kw = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_extra_len=limit, use_cache=False)
+    greedy = greedy_search(_Successor(), {}, src, **kw)
+    beam, _ = beam_search(_Successor(), {}, src, beam_size=2, alpha=0.6, **kw)
+    expected = [3, 4][:limit] + [PAD] * 3  # [src_len + max_extra_len] tokens
+    assert np.asarray(greedy)[0].tolist() == np.asarray(beam)[0].tolist() == expected
+
+
+def test_both_searches_decode_with_the_cache_unless_told(monkeypatch, model_and_sources):
+    # The cache is what keeps a step from recomputing the prefix and the cross-attention
+    # keys and values; a default of use_cache=False gave the same outputs, only slower.
+    import transformer.decoding as decoding
+
+    def recomputing(*args, **kwargs):
+        raise AssertionError("the search recomputed the prefix")
+
+    monkeypatch.setattr(decoding, "_uncached_decoder", recomputing)
+    model, params, src = model_and_sources
+    kw = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD)
+    assert greedy_search(model, params, src, **kw).shape[0] == src.shape[0]
+    assert beam_search(model, params, src, **kw)[0].shape[0] == src.shape[0]
+    with pytest.raises(AssertionError, match="recomputed"):
+        greedy_search(model, params, src, use_cache=False, **kw)
