@@ -424,7 +424,8 @@ def test_a_sentence_allowed_no_token_gets_none():
 @pytest.mark.parametrize("limit", [1, 2])
 def test_a_sentence_allowed_one_or_two_tokens_gets_them_cut_at_its_limit(limit):
     # An all-padding source's limit is max_extra_len; the successor decoder would go on
-    # "3 4 </s>". A limit of 1 once started done, like a limit of 0, and got no token.
+    # "3 4 </s>". A greedy search that started a limit of 1 done, as it starts a limit of
+    # 0, passed every other test.
     src = jnp.zeros((1, 3), jnp.int32)
     kw = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_extra_len=limit, use_cache=False)
     greedy = greedy_search(_Successor(), {}, src, **kw)
@@ -435,7 +436,7 @@ def test_a_sentence_allowed_one_or_two_tokens_gets_them_cut_at_its_limit(limit):
 
 def test_both_searches_decode_with_the_cache_unless_told(monkeypatch, model_and_sources):
     # The cache is what keeps a step from recomputing the prefix and the cross-attention
-    # keys and values; a default of use_cache=False gave the same outputs, only slower.
+    # keys and values; a default of use_cache=False would give the same outputs, slower.
     import transformer.decoding as decoding
 
     def recomputing(*args, **kwargs):

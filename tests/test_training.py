@@ -340,8 +340,8 @@ def test_each_step_draws_its_own_dropout_masks(tiny_setup):
     for at in (0, 0, 1):
         after, metrics = step(replicate(state.replace(step=np.asarray(at, np.int32))), batch)
         losses.append(float(unreplicate(metrics)["loss"]))
-        # The step counts itself: a step that left it (or took it back) drew the masks of
-        # the one before, with every test above still passing.
+        # The step counts itself: a step that left it (or took it back) would draw the
+        # masks of the step before, and passed every other test.
         assert int(unreplicate(after.step)) == at + 1
     assert losses[0] == losses[1] != losses[2]
 
@@ -369,8 +369,8 @@ def test_a_step_updates_the_state_in_place_and_padding_alone_changes_nothing(tin
 
 
 def test_validation_of_a_model_with_dropout_is_without_it(tiny_setup):
-    # The eval step ran in training mode unnoticed: every model the tests gave it had no
-    # dropout. The validation nll is the dropout-free model's, as the search sees it.
+    # An eval step in training mode passed every other test: each model they gave it had
+    # no dropout. The validation nll is the dropout-free model's, as the search sees it.
     tokenizer, encoded, model_config = tiny_setup
     model = Transformer(model_config.replace(dropout_rate=0.3))
     optimizer = make_optimizer(TrainConfig(steps=10, **_RECIPE), model_config.d_model)
