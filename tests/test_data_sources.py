@@ -103,6 +103,7 @@ def test_utf16_and_lone_carriage_returns_are_named_not_misread(tmp_path):
 def test_invalid_utf8_names_file_and_line(multi30k_slice):
     d = multi30k_slice(n=20, splits=("train",))
     lines = (d / "train.de").read_bytes().split(b"\n")
+    lines[0] = b""  # an empty first line counts too
     lines[6] = b"Ein M\xe4nnchen"  # latin-1, line 7
     (d / "train.de").write_bytes(b"\n".join(lines))
     with pytest.raises(data.DataError) as e:
@@ -355,6 +356,9 @@ def test_a_name_of_an_open_file_is_appended_to_not_replaced(tmp_path):
         f.write("three\n")  # the redirect still writes into the same file
     assert log.read_text() == "before\none\ntwo\nthree\n"
     assert not data.text.names_an_open_file(log) and not data.text.is_written_in_place(log)
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    assert not data.text.names_an_open_file(tmp_path / "a")  # a loop of links
 
 
 def test_writers_that_overlap_each_replace_the_file_whole(tmp_path, monkeypatch):
@@ -375,8 +379,8 @@ def test_writers_that_overlap_each_replace_the_file_whole(tmp_path, monkeypatch)
 
 
 def test_write_text_atomically_leaves_the_old_file_or_the_new_never_half(tmp_path, monkeypatch):
-    path = tmp_path / "out" / "hyp.de"
-    data.text.write_text_atomically(path, "Grüße\n")  # the folder is made
+    path = tmp_path / "out" / "de" / "hyp.de"
+    data.text.write_text_atomically(path, "Grüße\n")  # the folders are made
     assert path.read_bytes() == "Grüße\n".encode()  # UTF-8, whatever the locale's encoding
 
     def interrupted(src, dst):
