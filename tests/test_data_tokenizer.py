@@ -126,6 +126,24 @@ def test_bad_settings_and_files_are_one_line_errors(small_corpus, tmp_path):
         data.Tokenizer.load(tmp_path / "empty.model")
 
 
+def test_a_failure_with_some_sentences_too_long_is_not_blamed_on_them(
+    small_corpus, tmp_path, monkeypatch
+):
+    # SentencePiece skips sentences over 64 KiB; only where it skipped them all is that
+    # the reason it failed. With one among many, its own message is the one to show.
+    def fails(**kwargs):
+        raise RuntimeError("Internal: trainer_interface.cc(1) [false] some check\n")
+
+    monkeypatch.setattr(data.tokenizer.spm.SentencePieceTrainer, "train", fails)
+    texts = [*small_corpus.src[:50], "a dog " * 11000]
+    with pytest.raises(data.DataError) as e:
+        data.train_tokenizer(texts, tmp_path / "t.model", vocab_size=400)
+    assert str(e.value) == (
+        "tokenizer training failed: Internal: trainer_interface.cc(1) [false] some check"
+    )
+    assert not (tmp_path / "t.model").exists()
+
+
 def test_a_full_disk_leaves_no_half_written_tokenizer(small_corpus, tmp_path, monkeypatch):
     import errno
     import pathlib
