@@ -2,6 +2,8 @@
 
 import itertools
 import json
+import os
+import pathlib
 import threading
 import time
 import zipfile
@@ -111,6 +113,23 @@ def test_token_cache_is_reused_and_invalidated(multi30k_tokenizer, multi30k_slic
     assert len(removed) == 4 and failed == [] and in_use not in removed
     assert sorted(cache.iterdir()) == sorted([in_use, cache / "notes.txt"])
     assert data.prune_encoded_cache(tmp_path / "no such folder", keep=[]) == ([], [])
+
+
+def test_a_stale_file_another_host_deleted_first_is_no_failure(tmp_path, monkeypatch):
+    # Hosts sharing a workdir prune its cache at once: a file can go between the listing
+    # and the deletion. That is the result asked for, not a line to warn of.
+    stale = [tmp_path / "encoded-a.npz", tmp_path / "encoded-b.npz"]
+    for path in stale:
+        path.write_bytes(b"ids")
+    unlink = pathlib.Path.unlink
+
+    def deleted_by_another_host_first(self, *args, **kwargs):
+        os.remove(self)
+        return unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", deleted_by_another_host_first)
+    assert data.prune_encoded_cache(tmp_path, keep=[]) == (stale, [])
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "lengths", "counts", "header"])
