@@ -520,6 +520,13 @@ def test_a_shape_with_exactly_one_batch_of_pairs_is_kept():
     assert toy_batcher(pairs, pairs, max_tokens=64).shapes == [(8, 4, 4), (8, 32, 32)]
 
 
+def test_of_two_shapes_too_rare_the_rarest_goes_first():
+    # 3 pairs of (4, 4) and 6 of (8, 8) are each too few for 8 rows. The 3 join the 6 and
+    # together fill a batch of (8, 8); dropping (8, 8) first sent all 9 to (32, 32).
+    pairs = [ids(4)] * 3 + [ids(8)] * 6 + [ids(32)] * 8
+    assert toy_batcher(pairs, pairs, max_tokens=64).shapes == [(8, 8, 8), (8, 32, 32)]
+
+
 def test_a_covering_shape_that_no_pair_needs_is_not_kept():
     # The longest source and the longest target are in different pairs: a (40, 40) shape
     # would be one more compiled program that no batch uses.
