@@ -544,6 +544,8 @@ def test_batches_per_epoch_is_the_mean_rounded():
     pairs = [ids(4)] * 22
     b = toy_batcher(pairs, pairs, max_tokens=64)
     assert b.shapes == [(8, 4, 4)] and b.batches_per_epoch == 3
+    few = [ids(4)] * 3  # 3 / 8 rounds to 0 batches: an epoch is still one
+    assert toy_batcher(few, few, max_tokens=64).batches_per_epoch == 1
 
 
 def test_shapes_of_as_many_pairs_are_shuffled_each_its_own_way():
