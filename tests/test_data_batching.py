@@ -548,6 +548,18 @@ def test_batches_per_epoch_is_the_mean_rounded():
     assert toy_batcher(few, few, max_tokens=64).batches_per_epoch == 1
 
 
+def test_padding_efficiency_of_fewer_pairs_than_a_batch_is_what_the_batches_hold():
+    # Epoch 0 has no whole batch of 3 pairs in 16 rows; train.py still prints the figure.
+    b = toy_batcher([ids(3), ids(5), ids(9)], [ids(7), ids(2), ids(4)], max_tokens=256)
+    assert b.shapes == [(16, 9, 7)]
+    real = padded = 0
+    for _ in range(3):  # 48 rows: every pair 16 times
+        batch = next(b)
+        real += sum(int((batch[k] != 0).sum()) for k in ("src", "tgt_out"))
+        padded += batch["src"].size + batch["tgt_out"].size
+    assert b.padding_efficiency() == real / padded == 30 / 48
+
+
 def test_shapes_of_as_many_pairs_are_shuffled_each_its_own_way():
     src = [ids(4)] * 16 + [ids(32)] * 16
     tgt = [np.concatenate([[100 + i], ids(3)]).astype(np.int32) for i in range(32)]
@@ -674,3 +686,20 @@ def test_a_sentence_of_exactly_a_padded_length_is_not_padded_further():
         assert src.shape == (1, length) and (src[0] == sentence).all()
         [(_, src)] = data.inference_batches([sentence[: previous + 1]], max_tokens=4096, pad_id=0)
         assert src.shape == (1, length)
+
+
+def test_inference_batches_are_as_full_as_max_tokens_allows():
+    # Fewer, fuller batches are fewer decoder calls; a sentence longer than max_tokens
+    # still gets its own batch, one row.
+    sentences = [ids(10)] * 20 + [ids(100)] * 2
+    batches = data.inference_batches(sentences, max_tokens=60, pad_id=0)
+    assert [src.shape for _, src in batches] == [(1, 128), (1, 128)] + [(5, 12)] * 4
+
+
+def test_inference_lengths_pad_a_sentence_by_at_most_half():
+    # A few lengths (few compiled decoders) and bounded padding work up to 128 tokens.
+    lengths = data.batching.INFERENCE_LENGTHS
+    assert len(lengths) <= 10 and list(lengths) == sorted(set(lengths))
+    for n in range(1, 129):
+        assert n <= data.batching.inference_length(n) <= max(8, 1.5 * n)
+    assert data.batching.inference_length(129) == 256 and data.batching.inference_length(300) == 384
