@@ -1,5 +1,7 @@
 """translate(): normalization, batching, input order and empty lines, on a real tokenizer."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,6 +124,17 @@ def test_translate_passes_every_search_setting_on(setup, monkeypatch):
     assert translate(model, params, tokenizer, sentences[:2], **settings) == ["", ""]
     ids = dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
     assert calls == [{**settings, **ids}]
+
+
+def test_the_library_searches_as_the_paper_by_default():
+    # Users who import translate() and pass no search settings get the paper's beam 4 and
+    # alpha 0.6 (evaluate.py's own defaults are separate flags), and the same output bound.
+    for search in (translate, translate_ids, beam_search, greedy_search):
+        defaults = {k: p.default for k, p in inspect.signature(search).parameters.items()}
+        assert defaults["max_extra_len"] == 50
+        if search is not greedy_search:
+            assert (defaults["beam_size"], defaults["alpha"]) == (4, 0.6)
+    assert inspect.signature(translate).parameters["greedy"].default is False
 
 
 def test_empty_and_blank_lines_give_empty_outputs(setup):
