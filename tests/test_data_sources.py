@@ -213,6 +213,16 @@ def test_clean_false_keeps_every_line_for_evaluation(multi30k_slice):
     assert len(data.load_corpus(spec, "train").tgt) == 48
 
 
+def test_references_without_a_file_are_the_lines_as_given_when_nothing_was_skipped():
+    # sacreBLEU scores against raw references (TFDS gives no file); a cleaned corpus has
+    # lost the alignment with the raw lines, so it is scored against its normalized ones.
+    raw = ["Stein\u00a0&amp;  Holz ", "ein Hund"]
+    corpus = clean_pairs(["stone &amp; wood", "a dog"], raw, clean=False)
+    assert corpus.references() == raw and corpus.tgt == ["Stein & Holz", "ein Hund"]
+    cleaned = clean_pairs(["stone", "", "a dog"], ["Stein\u00a0 ", "x", "ein Hund"])
+    assert cleaned.references() == ["Stein", "ein Hund"]
+
+
 # --- load_corpus ---
 
 
