@@ -137,6 +137,17 @@ def test_the_library_searches_as_the_paper_by_default():
     assert inspect.signature(translate).parameters["greedy"].default is False
 
 
+def test_a_progress_bar_only_when_asked_for(setup, capsys):
+    # A library call prints nothing by default; evaluate.py asks for the bar.
+    model, params, tokenizer, sentences = setup
+    kw = dict(greedy=True, max_extra_len=MAX_EXTRA_LEN)
+    quiet = translate(model, params, tokenizer, sentences[:3], **kw)
+    assert capsys.readouterr().err == ""
+    assert translate(model, params, tokenizer, sentences[:3], progress=True, **kw) == quiet
+    err = capsys.readouterr().err
+    assert "decoding" in err and "3/3" in err
+
+
 def test_empty_and_blank_lines_give_empty_outputs(setup):
     model, params, tokenizer, sentences = setup
     lines = ["", sentences[0], "   ", "\t", sentences[1]]  # not a palindrome: order shows
