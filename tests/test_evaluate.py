@@ -623,8 +623,9 @@ def test_cli_error_has_no_traceback(tmp_path, repo_root):
         (lambda model: model.update(rotary=False), "bad model settings (unknown"),
         (lambda model: model.update(d_ff=2 * model["d_ff"]), "do not fit the model of its"),
         (lambda model: model.pop("d_model"), "do not fit the model of its"),  # the default
+        (lambda model: model.update(vocab_size=model["vocab_size"] + 1), "pieces but the model of"),
     ],
-    ids=["unknown-field", "other-shape", "missing-field"],
+    ids=["unknown-field", "other-shape", "missing-field", "other-vocabulary"],
 )
 def test_an_edited_config_is_a_one_line_error(edit, message, workdir, tmp_path, capsys):
     # Before: a ValueError traceback, or a Flax shape error from inside the jitted search.
@@ -637,7 +638,7 @@ def test_an_edited_config_is_a_one_line_error(edit, message, workdir, tmp_path, 
     source.write_text("A dog.\n", encoding="utf-8")
     code, out, err = _run(["--workdir", run, "--translate", "--input", source, *FAST], capsys)
     assert code == 2 and out == "" and err.startswith("error: ") and err.count("\n") == 1, err
-    assert message in err and "config" in err
+    assert message in err and "config.json" in err, err  # (the test's folder says "config")
 
 
 def test_a_run_whose_data_moved_or_is_not_recorded_is_a_data_error(tmp_path, monkeypatch):

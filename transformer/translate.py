@@ -424,8 +424,9 @@ def load_model(workdir: str | os.PathLike) -> tuple[Transformer, Tokenizer, dict
     tokenizer = Tokenizer.load(Path(workdir) / checkpoints.TOKENIZER_FILE)
     if tokenizer.vocab_size != model_config.vocab_size:
         raise DataError(
-            f"{tokenizer.path} has {tokenizer.vocab_size} pieces but the model in {workdir} "
-            f"expects {model_config.vocab_size}; the workdir is inconsistent"
+            f"{tokenizer.path} has {tokenizer.vocab_size} pieces but the model of "
+            f"{Path(workdir) / checkpoints.CONFIG_FILE} has {model_config.vocab_size}: restore "
+            "the tokenizer and config its run wrote"
         )
     return Transformer(model_config), tokenizer, config
 
