@@ -493,12 +493,21 @@ def test_prefetch_runs_at_most_size_items_ahead():
             pulled += 1
             yield pulled
 
+    def pulled_when_still(seconds=0.3):
+        before, deadline = -1, time.monotonic() + 5
+        while pulled != before and time.monotonic() < deadline:
+            before = pulled
+            time.sleep(seconds)
+        return pulled
+
     with data.prefetch(endless(), size=2) as it:
-        time.sleep(0.3)
-        assert pulled <= 2 + 1  # the queue's items and the one waiting to go in
+        assert it._thread.daemon  # a Ctrl-C'd run exits while the thread waits to put
+        assert pulled_when_still() == 2 + 1  # the queue's items and the one waiting to go in
         next(it)
-        time.sleep(0.2)
-        assert pulled <= 2 + 2
+        assert pulled_when_still() == 2 + 2
+    pulled = 0
+    with data.prefetch(endless(), size=0) as it:  # not Queue(0), which has no bound
+        assert pulled_when_still() == 1 + 1
 
 
 # --- shapes of made-up corpora ---
