@@ -443,6 +443,8 @@ def test_prefetch_reraises_errors_and_closes():
     next(it)
     it.close()
     assert not it._thread.is_alive()
+    with pytest.raises(StopIteration):  # not a wait for ever on the emptied queue
+        _next_within(it)
 
 
 def _next_within(iterator, seconds=5.0):
