@@ -475,6 +475,14 @@ def test_training_curve_path_errors_name_the_path(name, message, workdir, tmp_pa
         (["--workdir", "{workdir}", "--split", "val", "--average-last", "0"], "at least 1"),
         (["--workdir", "{workdir}", "--split", "val", "--alpha", "nan"], "finite number >= 0"),
         (["--workdir", "{workdir}", "--split", "val", "--alpha", "-1"], "finite number >= 0"),
+        (["--workdir", "{workdir}", "--split", "val", "--alpha", "inf"], "finite number >= 0"),
+        (["--workdir", "{workdir}", "--split", "val", "--beam", "0"], "--beam must be at least 1"),
+        (
+            ["--workdir", "{workdir}", "--split", "val", "--max-tokens", "0"],
+            "--max-tokens must be at least 1",
+        ),
+        (["--workdir", "{workdir}", "--split", "val", "--max-extra-len", "-1"], "negative"),
+        (["--workdir", "{workdir}", "--split", "val", "--plot-attention", "-1"], "negative"),
         (["--workdir", "{workdir}", "--split", "val", "--checkpoint", "\u00b2"], "a step number"),
         (
             ["--workdir", "{workdir}", "--split", "val", "--plot-dir", "{empty_dir}"],
@@ -503,6 +511,11 @@ def test_training_curve_path_errors_name_the_path(name, message, workdir, tmp_pa
         "avg-0",
         "alpha-nan",
         "alpha-negative",
+        "alpha-inf",
+        "beam-0",
+        "max-tokens-0",
+        "max-extra-len-negative",
+        "plot-attention-negative",
         "checkpoint-superscript-digit",
         "plot-dir-without-plots",
         "plot-heads-without-plots",
@@ -532,6 +545,16 @@ def test_user_errors_are_one_line_and_exit_2(argv, message, workdir, tmp_path, c
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert message.format(**paths) in err, err
+
+
+def test_the_least_values_of_the_search_flags_are_accepted():
+    # Beam 1, no length penalty, no extra length and no plots are settings, not mistakes.
+    least = ["--beam", "1", "--alpha", "0", "--max-extra-len", "0", "--max-tokens", "1"]
+    args = evaluate.parse_args(
+        ["--workdir", "w", "--split", "val", *least, "--plot-attention", "0"]
+    )
+    evaluate._check_args(args)
+    assert (args.beam, args.alpha, args.max_extra_len, args.max_tokens) == (1, 0.0, 0, 1)
 
 
 def _run_config(workdir: Path, **sections) -> Path:
@@ -852,6 +875,9 @@ def test_the_scored_parameters_are_the_mean_of_the_averaged_checkpoints(workdir,
     )
     assert two.checkpoint == "average of steps 300, 400"
     last, _ = checkpoints.restore_params(workdir, 400)
+    one = translate.load_run(workdir, average_last=1)  # the last alone, not the default
+    assert one.checkpoint == "average of steps 400"
+    assert jax.tree.all(jax.tree.map(np.array_equal, one.params, last))
     for run, steps in ((default, (200, 300, 400)), (two, (300, 400))):
         leaves = jax.tree.leaves(run.params)
         for leaf, mean in zip(leaves, _leaf_means(steps, workdir), strict=True):
