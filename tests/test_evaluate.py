@@ -548,11 +548,11 @@ def test_user_errors_are_one_line_and_exit_2(argv, message, workdir, tmp_path, c
 
 
 def test_the_least_values_of_the_search_flags_are_accepted():
-    # Beam 1, no length penalty, no extra length and no plots are settings, not mistakes.
+    # Beam 1, no length penalty, no extra length, no plots and one checkpoint are settings,
+    # not mistakes.
     least = ["--beam", "1", "--alpha", "0", "--max-extra-len", "0", "--max-tokens", "1"]
-    args = evaluate.parse_args(
-        ["--workdir", "w", "--split", "val", *least, "--plot-attention", "0"]
-    )
+    least += ["--plot-attention", "0", "--average-last", "1"]
+    args = evaluate.parse_args(["--workdir", "w", "--split", "val", *least])
     evaluate._check_args(args)
     assert (args.beam, args.alpha, args.max_extra_len, args.max_tokens) == (1, 0.0, 0, 1)
 
