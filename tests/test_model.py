@@ -354,8 +354,11 @@ def test_base_preset_has_the_papers_parameter_count():
     count = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
     assert 60e6 < count < 66e6, count
     assert config.d_model == 512 and config.d_ff == 2048 and config.num_heads == 8
+    # One layer more or less moves the count by about 3M only: N = 6 is checked as such.
+    assert (config.num_encoder_layers, config.num_decoder_layers) == (6, 6)
     big = TransformerConfig.preset("big", vocab_size=37000)
     assert (big.d_model, big.d_ff, big.num_heads, big.dropout_rate) == (1024, 4096, 16, 0.3)
+    assert (big.num_encoder_layers, big.num_decoder_layers) == (6, 6)
 
 
 def _incremental_logits(model, params, src, tgt, max_decode_len):

@@ -71,3 +71,10 @@ def test_readme_states_the_training_defaults():
         f"a checkpoint every {t['checkpoint_every']} steps",
     ):
         assert phrase in stated, f"the README's default settings do not say {phrase!r}"
+    # The presets the README compares the default with, as the code has them.
+    b, s = (TransformerConfig.preset(name, vocab_size=8000) for name in ("base", "small"))
+    for phrase in (
+        f"`base`: d {b.d_model}, {b.num_encoder_layers}+{b.num_decoder_layers} layers",
+        f"`small` (d {s.d_model}, {s.num_encoder_layers}+{s.num_decoder_layers})",
+    ):
+        assert phrase in README, f"the README does not say {phrase!r}"
