@@ -356,6 +356,7 @@ def test_base_preset_has_the_papers_parameter_count():
     assert config.d_model == 512 and config.d_ff == 2048 and config.num_heads == 8
     # One layer more or less moves the count by about 3M only: N = 6 is checked as such.
     assert (config.num_encoder_layers, config.num_decoder_layers) == (6, 6)
+    assert TransformerConfig(vocab_size=37000) == config  # the fields' defaults are `base`
     big = TransformerConfig.preset("big", vocab_size=37000)
     assert (big.d_model, big.d_ff, big.num_heads, big.dropout_rate) == (1024, 4096, 16, 0.3)
     assert (big.num_encoder_layers, big.num_decoder_layers) == (6, 6)
