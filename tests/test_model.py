@@ -592,6 +592,16 @@ def test_a_pad_id_outside_the_vocabulary_is_a_config_error(pad_id):
         _config(pad_id=pad_id)
 
 
+def test_sizes_below_one_are_config_errors_and_one_is_a_size():
+    # A 0-layer stack or 0-wide model would build and train to nothing.
+    for field in ("d_model", "num_heads", "d_ff", "num_encoder_layers", "max_len"):
+        with pytest.raises(ValueError, match=f"^{field} must be >= 1, got 0$"):
+            TransformerConfig.preset("tiny", **{"vocab_size": VOCAB, field: 0})
+    one = dict(num_heads=1, num_encoder_layers=1, num_decoder_layers=1, d_ff=1, max_len=1)
+    config = TransformerConfig.preset("tiny", vocab_size=VOCAB, **one)
+    assert (config.num_heads, config.d_head, config.num_encoder_layers) == (1, 32, 1)
+
+
 @pytest.mark.parametrize("field", ["dropout_rate", "attention_dropout_rate"])
 def test_a_dropout_rate_that_drops_everything_is_a_config_error(field):
     with pytest.raises(ValueError, match=rf"^{field} must be in \[0, 1\)"):
