@@ -86,6 +86,16 @@ def test_arguments_that_would_search_wrongly_are_errors(
             greedy_search(model, params, src, **kwargs)
 
 
+def test_an_output_limit_of_one_token_is_searched(model_and_sources):
+    # The least limit that is not an error: one token per sentence, from either search.
+    model, params, src = model_and_sources
+    ids = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD)
+    tokens, scores = beam_search(model, params, src, beam_size=2, max_len=1, **ids)
+    greedy = greedy_search(model, params, src, max_len=1, **ids)
+    assert tokens.shape == greedy.shape == (src.shape[0], 1)
+    assert np.all(np.asarray(tokens) != PAD) and np.all(np.isfinite(np.asarray(scores)))
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
