@@ -352,6 +352,35 @@ def test_an_end_token_outranked_by_the_beam_does_not_finish():
     assert float(scores[0]) == pytest.approx(np.log(0.6 * 0.46 * 0.52**4), rel=1e-5)
 
 
+class _EndsRanked(_Scripted):
+    """A decoder whose next-token probabilities follow from its input token alone: after
+    the start, words 3 and 4 with P 0.6 and 0.4; after 3, word 3 0.5, the end 0.45 and word
+    4 0.05; after 4, the end 0.55, word 4 0.25 and word 3 0.2."""
+
+    P_IV = np.zeros((5, 5))  # P[input token, next token]
+    P_IV[BOS, [3, 4]] = 0.6, 0.4
+    P_IV[3, [3, EOS, 4]] = 0.5, 0.45, 0.05
+    P_IV[4, [EOS, 4, 3]] = 0.55, 0.25, 0.2
+
+    def decode(self, encoded, src, tgt, decode=False):
+        return jnp.asarray(np.log(self.P_IV, where=self.P_IV > 0, out=np.full((5, 5), -1e9)))[tgt]
+
+
+def test_an_end_token_finishes_where_it_ranks_within_the_beam_counting_ends_above_it():
+    # Beam 2, plain log P. Step 2 ranks "3 3" 0.30, "3 </s>" 0.27, "4 </s>" 0.22, "4 4"
+    # 0.10, ...: "3 </s>" is second and finishes; "4 </s>", with "3 3" and "3 </s>" above
+    # it, is third and does not (fairseq's rule). No later output comes near 0.27
+    # ("3 3 </s>" 0.135). A rank that counted the end tokens below an end token, or the
+    # going extensions above another beam's, would finish "4 </s>" in place of "3 </s>".
+    src = jnp.array([[3, 3, 2]], jnp.int32)
+    tokens, scores = beam_search(
+        _EndsRanked(), {}, src, bos_id=BOS, eos_id=EOS, pad_id=PAD,
+        beam_size=2, alpha=0.0, max_extra_len=3, use_cache=False,
+    )  # fmt: skip
+    assert np.asarray(tokens)[0].tolist() == [3, EOS, PAD, PAD, PAD, PAD]
+    assert float(scores[0]) == pytest.approx(np.log(0.6 * 0.45), rel=1e-5)
+
+
 class _Successor(_Scripted):
     """A decoder whose next token follows from its input token alone: the start token
     is followed by word 3, 3 by 4, and 4 by the end token, each surely."""
