@@ -335,6 +335,16 @@ class _EndOutranked(_Scripted):
         return jnp.broadcast_to(logits_TV, (*tgt.shape, 5))
 
 
+def _beam_of_two(decoder: _Scripted) -> tuple[np.ndarray, np.ndarray]:
+    """Beam 2, plain log P, up to 6 tokens, of a scripted decoder on a 3-token source."""
+    src = jnp.array([[3, 3, 2]], jnp.int32)
+    tokens, scores = beam_search(
+        decoder, {}, src, bos_id=BOS, eos_id=EOS, pad_id=PAD,
+        beam_size=2, alpha=0.0, max_extra_len=3, use_cache=False,
+    )  # fmt: skip
+    return np.asarray(tokens), np.asarray(scores)
+
+
 def test_an_end_token_outranked_by_the_beam_does_not_finish():
     # Beam 2, plain log P. At step 2 the beams "3" (0.6) and "4" (0.4) extend to "3 3"
     # 0.276, "3 4" 0.264, "4 3" 0.184, "4 4" 0.176 and the ends "3 </s>" 0.06 and "4 </s>"
@@ -343,12 +353,8 @@ def test_an_end_token_outranked_by_the_beam_does_not_finish():
     # on to the limit, 6 tokens, where "3 3 3 3 3 3" has 0.276 * 0.52^4 = 0.020. An end
     # token counted as finishing where the end tokens above it were subtracted from its
     # rank instead of added would end with "4 </s>" (0.04).
-    src = jnp.array([[3, 3, 2]], jnp.int32)
-    tokens, scores = beam_search(
-        _EndOutranked(), {}, src, bos_id=BOS, eos_id=EOS, pad_id=PAD,
-        beam_size=2, alpha=0.0, max_extra_len=3, use_cache=False,
-    )  # fmt: skip
-    assert np.asarray(tokens)[0, :6].tolist() == [3] * 6
+    tokens, scores = _beam_of_two(_EndOutranked())
+    assert tokens[0, :6].tolist() == [3] * 6
     assert float(scores[0]) == pytest.approx(np.log(0.6 * 0.46 * 0.52**4), rel=1e-5)
 
 
@@ -372,12 +378,8 @@ def test_an_end_token_finishes_where_it_ranks_within_the_beam_counting_ends_abov
     # it, is third and does not (fairseq's rule). No later output comes near 0.27
     # ("3 3 </s>" 0.135). A rank that counted the end tokens below an end token, or the
     # going extensions above another beam's, would finish "4 </s>" in place of "3 </s>".
-    src = jnp.array([[3, 3, 2]], jnp.int32)
-    tokens, scores = beam_search(
-        _EndsRanked(), {}, src, bos_id=BOS, eos_id=EOS, pad_id=PAD,
-        beam_size=2, alpha=0.0, max_extra_len=3, use_cache=False,
-    )  # fmt: skip
-    assert np.asarray(tokens)[0].tolist() == [3, EOS, PAD, PAD, PAD, PAD]
+    tokens, scores = _beam_of_two(_EndsRanked())
+    assert tokens[0].tolist() == [3, EOS, PAD, PAD, PAD, PAD]
     assert float(scores[0]) == pytest.approx(np.log(0.6 * 0.45), rel=1e-5)
 
 
