@@ -357,8 +357,9 @@ def test_base_preset_has_the_papers_parameter_count():
     # One layer more or less moves the count by about 3M only: N = 6 is checked as such.
     assert (config.num_encoder_layers, config.num_decoder_layers) == (6, 6)
     assert TransformerConfig(vocab_size=37000) == config  # the fields' defaults are `base`
-    # The README's config defaults: post-LN and shared embeddings as in the paper, no
-    # attention dropout, and biases on W^Q, W^K, W^V and W^O (the paper's have none).
+    # The defaults the README's "Config choices" names: post-LN and shared embeddings as in
+    # the paper, biases on W^Q, W^K, W^V and W^O (the paper's have none); no dropout on the
+    # attention weights, as in the paper; padding id 0, which the tokenizer requires.
     assert not config.pre_layer_norm and config.share_embeddings and config.attention_bias
     assert config.attention_dropout_rate == 0.0 and config.pad_id == 0
     big = TransformerConfig.preset("big", vocab_size=37000)

@@ -67,8 +67,8 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """Hyperparameters of the encoder-decoder Transformer; the defaults are the paper's
-    base model (the `base` preset).
+    """Hyperparameters of the encoder-decoder Transformer; the defaults are the `base`
+    preset (the sizes and dropout of the paper's base model).
 
     Attributes:
       vocab_size: number of token ids (source and target share one vocabulary).
