@@ -193,12 +193,18 @@ def test_padding_efficiency_and_shapes_on_full_multi30k(
         max(S for _, S, _ in b.shapes) == longest[0] and max(T for *_, T in b.shapes) == longest[1]
     )
     # The efficiency figure is what the batches really hold: real tokens over padded positions.
+    held = efficiency_held(b, b.batches_per_epoch, multi30k_tokenizer.pad_id)
+    assert abs(held - b.padding_efficiency()) < 0.005
+
+
+def efficiency_held(b, num_batches, pad_id):
+    """Real (non-pad) source and target tokens over padded positions in the next batches."""
     real = padded = 0
-    for _ in range(b.batches_per_epoch):
+    for _ in range(num_batches):
         batch = next(b)
-        real += sum(int((batch[k] != multi30k_tokenizer.pad_id).sum()) for k in ("src", "tgt_out"))
+        real += sum(int((batch[k] != pad_id).sum()) for k in ("src", "tgt_out"))
         padded += batch["src"].size + batch["tgt_out"].size
-    assert abs(real / padded - b.padding_efficiency()) < 0.005
+    return real / padded
 
 
 def test_batches_hold_the_right_tokens(small, multi30k_tokenizer):
@@ -563,12 +569,8 @@ def test_padding_efficiency_of_fewer_pairs_than_a_batch_is_what_the_batches_hold
     # Epoch 0 has no whole batch of 3 pairs in 16 rows; train.py still prints the figure.
     b = toy_batcher([ids(3), ids(5), ids(9)], [ids(7), ids(2), ids(4)], max_tokens=256)
     assert b.shapes == [(16, 9, 7)]
-    real = padded = 0
-    for _ in range(3):  # 48 rows: every pair 16 times
-        batch = next(b)
-        real += sum(int((batch[k] != 0).sum()) for k in ("src", "tgt_out"))
-        padded += batch["src"].size + batch["tgt_out"].size
-    assert b.padding_efficiency() == real / padded == 30 / 48
+    held = efficiency_held(b, 3, pad_id=0)  # 48 rows: every pair 16 times
+    assert b.padding_efficiency() == held == 30 / 48
 
 
 def test_shapes_of_as_many_pairs_are_shuffled_each_its_own_way():

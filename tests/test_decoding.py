@@ -279,13 +279,18 @@ def test_full_width_beam_is_exhaustive_search(alpha):
 
 class _Scripted(nn.Module):
     """A model without parameters whose next-token logits (vocabulary 5) depend only on
-    the position: subclasses write them in `decode`."""
+    the position or the input token: subclasses write them in `decode`."""
 
     def encode(self, src):
         return jnp.zeros((*src.shape, 1))
 
     def __call__(self, src, tgt):
         return self.decode(self.encode(src), src, tgt)
+
+
+def _logits_of(p: np.ndarray) -> np.ndarray:
+    """log p, and -1e9 (never) where p is 0."""
+    return np.log(p, where=p > 0, out=np.full(p.shape, -1e9))
 
 
 class _EndNowOrLater(_Scripted):
@@ -330,8 +335,7 @@ class _EndOutranked(_Scripted):
     P_PV[2, [3, 4]] = 0.52, 0.48
 
     def decode(self, encoded, src, tgt, decode=False):
-        logits_PV = np.log(self.P_PV, where=self.P_PV > 0, out=np.full((3, 5), -1e9))
-        logits_TV = jnp.asarray(logits_PV)[jnp.minimum(jnp.arange(tgt.shape[1]), 2)]
+        logits_TV = jnp.asarray(_logits_of(self.P_PV))[jnp.minimum(jnp.arange(tgt.shape[1]), 2)]
         return jnp.broadcast_to(logits_TV, (*tgt.shape, 5))
 
 
@@ -369,7 +373,7 @@ class _EndsRanked(_Scripted):
     P_IV[4, [EOS, 4, 3]] = 0.55, 0.25, 0.2
 
     def decode(self, encoded, src, tgt, decode=False):
-        return jnp.asarray(np.log(self.P_IV, where=self.P_IV > 0, out=np.full((5, 5), -1e9)))[tgt]
+        return jnp.asarray(_logits_of(self.P_IV))[tgt]
 
 
 def test_an_end_token_finishes_where_it_ranks_within_the_beam_counting_ends_above_it():

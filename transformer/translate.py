@@ -413,11 +413,12 @@ def load_model(workdir: str | os.PathLike) -> tuple[Transformer, Tokenizer, dict
       data.DataError: missing or mismatched tokenizer.
     """
     config = checkpoints.load_run_config(workdir)
+    config_file = Path(workdir) / checkpoints.CONFIG_FILE
     try:
         model_config = TransformerConfig.from_dict(config["model"])
     except (KeyError, TypeError, ValueError) as e:
         raise checkpoints.CheckpointError(
-            f"{Path(workdir) / checkpoints.CONFIG_FILE}: bad model settings "
+            f"{config_file}: bad model settings "
             f"({' '.join(str(e).split()) or type(e).__name__}); it was edited or written by "
             "another version of this project: restore the one its run wrote"
         ) from None
@@ -425,8 +426,8 @@ def load_model(workdir: str | os.PathLike) -> tuple[Transformer, Tokenizer, dict
     if tokenizer.vocab_size != model_config.vocab_size:
         raise DataError(
             f"{tokenizer.path} has {tokenizer.vocab_size} pieces but the model of "
-            f"{Path(workdir) / checkpoints.CONFIG_FILE} has {model_config.vocab_size}: restore "
-            "the tokenizer and config its run wrote"
+            f"{config_file} has {model_config.vocab_size}: restore the tokenizer and config "
+            "its run wrote"
         )
     return Transformer(model_config), tokenizer, config
 
