@@ -159,6 +159,66 @@ def test_validation_can_be_turned_off_and_bleu_scored_on_every_line():
     assert TrainConfig(steps=10, bleu_max_sentences=1, bleu_max_tokens=1).bleu_max_sentences == 1
 
 
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("steps", 0, "steps must be >= 1, got 0"),
+        ("epochs", 0, "epochs must be >= 1, got 0"),
+        ("warmup_steps", 0, "warmup_steps must be >= 1, got 0"),
+        ("cooldown", -0.01, "cooldown must be in [0, 1], got -0.01"),
+        ("cooldown", 1.01, "cooldown must be in [0, 1], got 1.01"),
+        ("learning_rate_scale", 0.0, "learning_rate_scale must be > 0 and finite, got 0.0"),
+        ("learning_rate_scale", math.nan, "learning_rate_scale must be > 0 and finite, got nan"),
+        ("grad_clip_norm", -1.0, "grad_clip_norm must be > 0 and finite, got -1.0"),
+        ("adam_eps", math.inf, "adam_eps must be > 0 and finite, got inf"),
+        ("seed", -1, "seed must be in [0, 2**32), got -1"),
+        ("seed", 2**32, "seed must be in [0, 2**32), got 4294967296"),
+        ("adam_b1", 1.0, "adam_b1 must be in [0, 1), got 1.0"),
+        ("adam_b2", -0.1, "adam_b2 must be in [0, 1), got -0.1"),
+        ("label_smoothing", 1.0, "label_smoothing must be in [0, 1), got 1.0"),
+        ("log_every", 0, "log_every must be >= 1, got 0"),
+        ("checkpoint_every", 0, "checkpoint_every must be >= 1, got 0"),
+        ("keep_checkpoints", 0, "keep_checkpoints must be >= 1, got 0"),
+    ],
+)
+def test_a_setting_out_of_its_range_is_a_one_line_error_naming_it(field, value, message):
+    # A library user builds TrainConfig directly; train.py's flags reach the same checks.
+    with pytest.raises(ValueError) as info:
+        TrainConfig(**{"steps": 10, field: value})
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("steps", 1),
+        ("epochs", 1),
+        ("warmup_steps", 1),
+        ("cooldown", 0.0),
+        ("cooldown", 1.0),  # the whole run cools down
+        ("learning_rate_scale", 1e-30),
+        ("grad_clip_norm", None),  # no clipping
+        ("adam_eps", 1e300),
+        ("seed", 0),
+        ("seed", 2**32 - 1),  # the largest: jax.random.PRNGKey keeps 32 bits
+        ("adam_b1", 0.0),
+        ("adam_b2", 0.0),
+        ("label_smoothing", 0.0),  # no smoothing
+        ("log_every", 1),
+        ("checkpoint_every", 1),
+        ("keep_checkpoints", 1),
+    ],
+)
+def test_the_edges_of_each_settings_range_are_accepted(field, value):
+    assert getattr(TrainConfig(**{"steps": None, "epochs": 1, field: value}), field) == value
+
+
+def test_a_run_of_neither_steps_nor_epochs_is_an_error():
+    with pytest.raises(ValueError, match="^give either steps or epochs$"):
+        TrainConfig()
+    assert TrainConfig(epochs=3).steps is None  # epochs decide
+
+
 def _metrics_file(workdir, steps):
     log = MetricsLog(workdir)
     for step in steps:
