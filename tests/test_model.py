@@ -12,9 +12,14 @@ from flax import linen as nn
 
 from transformer import (
     Decoder,
+    DecoderLayer,
+    Encoder,
+    EncoderLayer,
     MultiHeadAttention,
     Transformer,
     TransformerConfig,
+    causal_mask,
+    padding_mask,
     scaled_dot_product_attention,
     sinusoidal_positional_encoding,
 )
@@ -500,6 +505,40 @@ def test_attention_dropout_is_applied_in_training():
     np.testing.assert_array_equal(
         mha.apply({"params": params}, x), without.apply({"params": params}, x)
     )
+
+
+def test_each_public_module_called_without_train_or_decode_is_the_inference_model():
+    # A user's own model calls these layers without train= or decode=: that is the model
+    # evaluated (no dropout, no dropout RNG asked for) and no decoding cache.
+    dropping = _config(dropout_rate=0.3, attention_dropout_rate=0.3)
+    plain = dropping.replace(dropout_rate=0.0, attention_dropout_rate=0.0)
+    rng = np.random.default_rng(9)
+    src, tgt = _batch(rng)
+    x = jnp.asarray(rng.normal(size=(*src.shape, plain.d_model)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(*tgt.shape, plain.d_model)), jnp.float32)
+    src_mask, tgt_mask = padding_mask(src, 0), padding_mask(tgt, 0)
+    self_mask = causal_mask(tgt.shape[1]) & jnp.swapaxes(tgt_mask, -1, -2)
+    modules_methods_and_inputs = [
+        (MultiHeadAttention, None, (y, x, src_mask)),
+        (EncoderLayer, None, (x, src_mask)),
+        (DecoderLayer, None, (y, x, self_mask, src_mask)),
+        (lambda cfg: Encoder(cfg, nn.Embed(VOCAB, cfg.d_model)), None, (src,)),
+        (lambda cfg: Decoder(cfg, nn.Embed(VOCAB, cfg.d_model)), None, (x, src, tgt)),
+        (Transformer, None, (src, tgt)),
+        (Transformer, Transformer.encode, (src,)),
+        (Transformer, Transformer.decode, (x, src, tgt)),  # what the searches call
+    ]
+    for make, method, inputs in modules_methods_and_inputs:
+        module = make(dropping)
+        name = method.__qualname__ if method else type(module).__name__
+        variables = jax.jit(functools.partial(module.init, method=method))(
+            jax.random.key(0), *inputs
+        )
+        assert set(variables) == {"params"}, name  # no "cache" made
+        out = jax.jit(functools.partial(module.apply, method=method))(variables, *inputs)
+        # No "dropout" RNG was given: a module in training would have asked for one.
+        without = jax.jit(functools.partial(make(plain).apply, method=method))(variables, *inputs)
+        np.testing.assert_array_equal(out, without, err_msg=name)
 
 
 def test_bfloat16_compute_keeps_float32_parameters():
