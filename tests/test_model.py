@@ -604,23 +604,24 @@ def test_config_round_trip_and_validation():
         TransformerConfig.from_dict({**config.to_dict(), "d_modle": 3})
 
 
-def test_beam_grouped_attention_records_one_weight_row_per_query_sentence():
-    # Beam search gives 3 beams of each of 2 sentences one copy of the source keys and
+@pytest.mark.parametrize("beams", [2, 3])
+def test_beam_grouped_attention_records_one_weight_row_per_query_sentence(beams):
+    # Beam search gives the beams of each of 2 sentences one copy of the source keys and
     # values; the weights it records must still be [batch_q, heads, q_len, kv_len], row i
     # the weights of query i, as with the source repeated per beam (before: [2, H, 3, K]).
     attention = MultiHeadAttention(_config(dropout_rate=0.0))
     rng = np.random.default_rng(5)
-    q = jnp.asarray(rng.normal(size=(6, 1, 32)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(2 * beams, 1, 32)), jnp.float32)
     kv = jnp.asarray(rng.normal(size=(2, 3, 32)), jnp.float32)
-    params = attention.init(jax.random.key(0), q, jnp.repeat(kv, 3, axis=0))["params"]
+    params = attention.init(jax.random.key(0), q, jnp.repeat(kv, beams, axis=0))["params"]
 
     def weights(kv_batch):
         out, state = attention.apply({"params": params}, q, kv_batch, mutable=["intermediates"])
         return out, state["intermediates"]["attention_weights"][0]
 
     out_grouped, grouped = weights(kv)
-    out_repeated, repeated = weights(jnp.repeat(kv, 3, axis=0))
-    assert grouped.shape == repeated.shape == (6, 4, 1, 3)
+    out_repeated, repeated = weights(jnp.repeat(kv, beams, axis=0))
+    assert grouped.shape == repeated.shape == (2 * beams, 4, 1, 3)
     np.testing.assert_allclose(grouped, repeated, atol=1e-6)
     np.testing.assert_allclose(out_grouped, out_repeated, atol=1e-5)
 
@@ -685,6 +686,9 @@ def test_source_and_target_of_different_batches_are_an_error_naming_both():
     encoded = model.apply({"params": params}, src, method=Transformer.encode)
     with pytest.raises(ValueError, match=r"queries' batch \(1\) is not a multiple of .* \(3\)"):
         model.apply({"params": params}, encoded, src, tgt[:1], method=Transformer.decode)
+    # No source sentence has no multiple (a ZeroDivisionError otherwise).
+    with pytest.raises(ValueError, match=r"queries' batch \(3\) is not a multiple of .* \(0\)"):
+        model.apply({"params": params}, encoded[:0], src[:0], tgt, method=Transformer.decode)
 
 
 def test_an_empty_batch_gives_empty_logits():
