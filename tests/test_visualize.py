@@ -240,3 +240,30 @@ def test_a_long_title_is_whole_inside_a_tall_narrow_plot(tmp_path, monkeypatch):
         box, page = text.get_window_extent(), fig.bbox
         assert page.x0 <= box.x0 and box.x1 <= page.x1, (box, page)
         assert page.y0 <= box.y0 and box.y1 <= page.y1, (box, page)
+
+
+@pytest.mark.parametrize("heads", [8, 3, 1])  # base: 8 heads, a 3 x 3 grid with one spare
+def test_the_heads_grid_draws_each_head_once_with_labels_on_its_outer_panels(
+    tmp_path, monkeypatch, heads
+):
+    import transformer.visualize as visualize
+
+    drawn = []
+    monkeypatch.setattr(visualize, "_save_png", lambda fig, path, dpi: drawn.append(fig))
+    rng = np.random.default_rng(0)
+    src, tgt = ["\u2581Zwei", "\u2581Hunde", "</s>"], ["\u2581Two", "\u2581dogs", "</s>"]
+    weights_HTS = rng.dirichlet(np.ones(len(src)), size=(heads, len(tgt)))
+    plot_sentence_attention([weights_HTS], src, tgt, tmp_path, name="s1", heads=True)
+    grid = drawn[1]
+    cols = int(np.ceil(np.sqrt(heads)))
+    panels = [ax for ax in grid.axes if ax.get_label() != "<colorbar>"]
+    assert len(panels) == cols * int(np.ceil(heads / cols))
+    shown = [ax for ax in panels if ax.axison]
+    assert [ax.get_title() for ax in shown] == [f"head {h + 1}" for h in range(heads)]
+    for h, ax in enumerate(shown):
+        np.testing.assert_allclose(np.asarray(ax.images[0].get_array()), weights_HTS[h])
+    assert not any(ax.images for ax in panels[heads:])  # the spare panels are blank
+    # Source labels under the lowest panel of each column, output labels left of each row.
+    lowest = {max(h for h in range(heads) if h % cols == c) for c in range(min(cols, heads))}
+    assert {h for h, ax in enumerate(shown) if ax.get_xlabel()} == lowest
+    assert {h for h, ax in enumerate(shown) if ax.get_ylabel()} == set(range(0, heads, cols))
