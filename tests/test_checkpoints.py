@@ -156,6 +156,27 @@ def test_of_tied_best_scores_the_newest_is_best_and_is_the_one_kept(tmp_path, pa
     np.testing.assert_array_equal(jax.tree.leaves(best)[0], jax.tree.leaves(_shifted(params, 3))[0])
 
 
+def test_a_bleu_recorded_after_the_save_makes_its_step_compete_for_the_best(tmp_path, params):
+    # A resumed run scores the checkpoint whose validation a stop skipped (record_bleu).
+    with Checkpoints(tmp_path, keep=1) as ckpts:
+        ckpts.save(1, params, _OPT, {}, val_bleu=20.0)
+        ckpts.save(2, _shifted(params, 2), _OPT, {})
+        ckpts.record_bleu(2, 30.0)
+        assert ckpts.best_step() == 2 and ckpts.metrics(2) == {"val_bleu": 30.0}
+        ckpts.save(3, params, _OPT, {})  # keep=1: the last one, and the best, step 2
+        assert ckpts.steps() == [2, 3]
+    best, step = restore_params(tmp_path, "best")
+    assert step == 2
+    np.testing.assert_array_equal(jax.tree.leaves(best)[0], jax.tree.leaves(_shifted(params, 2))[0])
+
+
+@pytest.mark.parametrize("keep", [0, -1])
+def test_keeping_no_checkpoint_is_an_error(tmp_path, keep):
+    with pytest.raises(ValueError, match=f"^keep must be >= 1, got {keep}$"):
+        Checkpoints(tmp_path, keep=keep)
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_saving_a_step_that_is_saved_already_keeps_the_first(tmp_path, params):
     # A run that ends on a checkpoint step saves it twice (the schedule's, then the end's);
     # Orbax itself refuses a second save of a step.
