@@ -608,7 +608,7 @@ def test_config_round_trip_and_validation():
 def test_beam_grouped_attention_records_one_weight_row_per_query_sentence(beams):
     # Beam search gives the beams of each of 2 sentences one copy of the source keys and
     # values; the weights it records must still be [batch_q, heads, q_len, kv_len], row i
-    # the weights of query i, as with the source repeated per beam (before: [2, H, 3, K]).
+    # the weights of query i, as with the source repeated per beam (before: [2, H, beams, K]).
     attention = MultiHeadAttention(_config(dropout_rate=0.0))
     rng = np.random.default_rng(5)
     q = jnp.asarray(rng.normal(size=(2 * beams, 1, 32)), jnp.float32)
@@ -686,7 +686,7 @@ def test_source_and_target_of_different_batches_are_an_error_naming_both():
     encoded = model.apply({"params": params}, src, method=Transformer.encode)
     with pytest.raises(ValueError, match=r"queries' batch \(1\) is not a multiple of .* \(3\)"):
         model.apply({"params": params}, encoded, src, tgt[:1], method=Transformer.decode)
-    # No source sentence has no multiple (a ZeroDivisionError otherwise).
+    # Queries against no source sentence are the same error, not a division by zero.
     with pytest.raises(ValueError, match=r"queries' batch \(3\) is not a multiple of .* \(0\)"):
         model.apply({"params": params}, encoded[:0], src[:0], tgt, method=Transformer.decode)
 
