@@ -516,8 +516,8 @@ def test_each_public_module_called_without_train_or_decode_is_the_inference_mode
     src, tgt = _batch(rng)
     x = jnp.asarray(rng.normal(size=(*src.shape, plain.d_model)), jnp.float32)
     y = jnp.asarray(rng.normal(size=(*tgt.shape, plain.d_model)), jnp.float32)
-    src_mask, tgt_mask = padding_mask(src, 0), padding_mask(tgt, 0)
-    self_mask = causal_mask(tgt.shape[1]) & jnp.swapaxes(tgt_mask, -1, -2)
+    src_mask = padding_mask(src, 0)
+    self_mask = causal_mask(tgt.shape[1]) & padding_mask(tgt, 0)  # as the Decoder builds it
     modules_methods_and_inputs = [
         (MultiHeadAttention, None, (y, x, src_mask)),
         (EncoderLayer, None, (x, src_mask)),

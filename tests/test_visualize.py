@@ -24,6 +24,16 @@ from transformer.visualize import (
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures the plotting functions draw, in order, kept instead of saved."""
+    import transformer.visualize as visualize
+
+    figures = []
+    monkeypatch.setattr(visualize, "_save_png", lambda fig, path, dpi: figures.append(fig))
+    return figures
+
+
 def test_cross_attention_weights_are_distributions_over_real_source_tokens():
     config = TransformerConfig.preset("tiny", vocab_size=20)
     model = Transformer(config)
@@ -132,12 +142,8 @@ def test_an_interrupted_save_leaves_the_old_picture_whole(tmp_path, monkeypatch)
     assert [p.name for p in tmp_path.iterdir()] == ["curve.png"]  # no temporary file left
 
 
-def test_the_curve_legend_covers_no_plotted_point(monkeypatch):
+def test_the_curve_legend_covers_no_plotted_point(drawn):
     # The legend sat inside the axes ("center right"), where a short run's points can be.
-    import transformer.visualize as visualize
-
-    drawn = []
-    monkeypatch.setattr(visualize, "_save_png", lambda fig, path, dpi: drawn.append(fig))
     records = []
     for step in range(1, 21):  # a training loss through the middle, right edge included
         records.append({"step": step, "loss": 4.0, "elapsed_s": 30.0 * step})
@@ -161,12 +167,8 @@ def test_the_curve_legend_covers_no_plotted_point(monkeypatch):
     assert not inside.any(), points[inside]
 
 
-def test_a_run_with_one_training_record_draws_its_point(monkeypatch):
+def test_a_run_with_one_training_record_draws_its_point(drawn):
     # A line through one point has no length: it was an empty plot with a legend.
-    import transformer.visualize as visualize
-
-    drawn = []
-    monkeypatch.setattr(visualize, "_save_png", lambda fig, path, dpi: drawn.append(fig))
     plot_training_curve([{"step": 50, "elapsed_s": 12.0, "loss": 5.1}], "unused.png")
     [fig] = drawn
     [line] = [line for ax in fig.axes for line in ax.lines]
@@ -174,12 +176,8 @@ def test_a_run_with_one_training_record_draws_its_point(monkeypatch):
     assert line.get_marker() not in (None, "", " ", "None", "none")
 
 
-def test_a_heatmap_draws_the_mean_of_the_heads_outputs_as_rows(tmp_path, monkeypatch):
+def test_a_heatmap_draws_the_mean_of_the_heads_outputs_as_rows(tmp_path, drawn):
     # Drawn transposed, or from one head under a "mean of 4 heads" title, it passed.
-    import transformer.visualize as visualize
-
-    drawn = []
-    monkeypatch.setattr(visualize, "_save_png", lambda fig, path, dpi: drawn.append(fig))
     rng = np.random.default_rng(0)
     src = ["\u2581Two", "\u2581dogs", "\u2581play", ".", "</s>"]
     tgt = ["\u2581Zwei", "\u2581Hunde", "</s>"]
@@ -218,13 +216,9 @@ def test_importing_and_plotting_leave_the_matplotlib_backend_alone(tmp_path):
     assert (tmp_path / "a.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
-def test_a_long_title_is_whole_inside_a_tall_narrow_plot(tmp_path, monkeypatch):
+def test_a_long_title_is_whole_inside_a_tall_narrow_plot(tmp_path, drawn):
     # Centred over the axes of a narrow figure, it was cut off on the left
     # ("ntence_0002: decoder layer 1 ...").
-    import transformer.visualize as visualize
-
-    drawn = []
-    monkeypatch.setattr(visualize, "_save_png", lambda fig, path, dpi: drawn.append(fig))
     rng = np.random.default_rng(0)
     src = ["\u2581Zwei", "\u2581Hunde", ".", "</s>"]
     tgt = [f"\u2581w{i}" for i in range(40)]
@@ -244,12 +238,8 @@ def test_a_long_title_is_whole_inside_a_tall_narrow_plot(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("heads", [8, 3, 1])  # base: 8 heads, a 3 x 3 grid with one spare
 def test_the_heads_grid_draws_each_head_once_with_labels_on_its_outer_panels(
-    tmp_path, monkeypatch, heads
+    tmp_path, drawn, heads
 ):
-    import transformer.visualize as visualize
-
-    drawn = []
-    monkeypatch.setattr(visualize, "_save_png", lambda fig, path, dpi: drawn.append(fig))
     rng = np.random.default_rng(0)
     src, tgt = ["\u2581Zwei", "\u2581Hunde", "</s>"], ["\u2581Two", "\u2581dogs", "</s>"]
     weights_HTS = rng.dirichlet(np.ones(len(src)), size=(heads, len(tgt)))
