@@ -226,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="clip the global gradient norm to this; 0 turns clipping off, on a resume too [off]",
     )
+    t.add_argument(
+        "--weight-decay",
+        type=float,
+        help="decoupled weight decay of the matrices (AdamW): each update also subtracts "
+        "learning rate * this * the weight; 0 is plain Adam, as in the paper [0]",
+    )
     t.add_argument("--adam-b1", type=float, help="Adam beta1 [0.9]")
     t.add_argument("--adam-b2", type=float, help="Adam beta2 [0.98]")
     t.add_argument("--adam-eps", type=float, help="Adam epsilon [1e-9]")

@@ -96,6 +96,10 @@ class TrainConfig:
       label_smoothing: epsilon_ls; the target distribution puts 1 - eps on the
         reference token and eps spread uniformly over the whole vocabulary.
       grad_clip_norm: clip the global gradient norm to this; None disables.
+      weight_decay: decoupled weight decay (AdamW, Loshchilov & Hutter 2019): each
+        update also subtracts learning rate * weight_decay * the parameter, for the
+        matrices (kernels, embeddings), not the biases or LayerNorm scales; 0 is the
+        paper's plain Adam.
       adam_b1: Adam beta1.
       adam_b2: Adam beta2.
       adam_eps: Adam epsilon.
@@ -118,6 +122,7 @@ class TrainConfig:
     cooldown_shape: str = "linear"
     label_smoothing: float = 0.1
     grad_clip_norm: float | None = None
+    weight_decay: float = 0.0
     adam_b1: float = 0.9
     adam_b2: float = 0.98
     adam_eps: float = 1e-9
@@ -150,6 +155,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not (0 < value < math.inf):  # NaN fails too
                 raise ValueError(f"{name} must be > 0 and finite, got {value}")
+        if not 0.0 <= self.weight_decay < math.inf:  # NaN fails too
+            raise ValueError(f"weight_decay must be >= 0 and finite, got {self.weight_decay}")
         if not 0 <= self.seed < 2**32:  # jax.random.PRNGKey's 32 bits: 2**32 would be 0 again
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
         for name in ("adam_b1", "adam_b2", "label_smoothing"):
@@ -251,33 +258,72 @@ def _config_schedule(config: TrainConfig, d_model: int) -> optax.Schedule:
 
 
 def make_optimizer(config: TrainConfig, d_model: int) -> optax.GradientTransformation:
-    """Adam with the paper's schedule, after optional global-norm gradient clipping.
+    """Adam with the paper's schedule (AdamW where weight_decay > 0), after optional
+    global-norm gradient clipping.
 
     Args:
       config: uses the Adam hyperparameters, the schedule (its cooldown needs
-        `config.steps`) and grad_clip_norm.
+        `config.steps`), weight_decay and grad_clip_norm.
       d_model: the model width (for the schedule).
 
     Returns:
       The Optax transformation.
     """
     schedule = _config_schedule(config, d_model)
-    adam = optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
+    betas = dict(b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
+    if config.weight_decay > 0:
+        adam = optax.adamw(schedule, **betas, weight_decay=config.weight_decay, mask=_matrices)
+    else:
+        adam = optax.adam(schedule, **betas)
     if config.grad_clip_norm is None:
         return adam
     return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adam)
 
 
-def _other_clipping_form(
-    opt_state: optax.OptState, clipping: bool
-) -> tuple[optax.OptState, Callable[[optax.OptState], optax.OptState]]:
-    """The `make_optimizer` state as the other grad_clip_norm setting (on or off) makes it,
-    and the function that turns that form into `opt_state`'s. Clipping is stateless, so a
-    run can turn it on when it resumes (as the advice after a non-finite loss says) or off.
+def _matrices(params: PyTree) -> PyTree:
+    """True for the parameters weight decay applies to: kernels and embeddings, not the
+    biases and LayerNorm scales (vectors), as in AdamW's common use."""
+    return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+
+
+def _other_optimizer_forms(
+    config: TrainConfig, d_model: int, params: PyTree, opt_state: optax.OptState
+) -> list[tuple[optax.OptState, Callable[[optax.OptState], optax.OptState]]]:
+    """The `make_optimizer` states of the other grad_clip_norm and weight_decay settings
+    (on or off), each with the function that turns it into `opt_state`'s form.
+
+    Clipping and weight decay are stateless: each only adds a place holder to the state,
+    so a run can turn either on when it resumes (as the advice after a non-finite loss
+    says for clipping) or off, and keep Adam's moments and the schedule's count.
     """
-    if clipping:  # (clip's EmptyState, Adam's state), against Adam's state alone
-        return opt_state[1], lambda adam: (optax.EmptyState(), adam)
-    return (optax.EmptyState(), opt_state), lambda chained: chained[1]
+    here = (config.grad_clip_norm is not None, config.weight_decay > 0)
+    forms = []
+    for clipping in (False, True):
+        for decaying in (False, True):
+            if (clipping, decaying) == here:
+                continue
+            other = config.replace(
+                grad_clip_norm=1.0 if clipping else None, weight_decay=0.1 if decaying else 0.0
+            )
+            template = make_optimizer(other, d_model).init(params)
+            forms.append(
+                (template, functools.partial(_carry_adam, opt_state, here[0], clipping))
+            )
+    return forms
+
+
+def _carry_adam(
+    into: optax.OptState, into_clipping: bool, from_clipping: bool, restored: optax.OptState
+) -> optax.OptState:
+    """`into` with Adam's state and the schedule's count taken from `restored`.
+
+    Either is (clip's state, the rest) with clipping, the rest alone without; the rest
+    is (Adam's state, [weight decay's place holder,] the schedule's state).
+    """
+    source = restored[1] if from_clipping else restored
+    target = into[1] if into_clipping else into
+    carried = (source[0], *target[1:-1], source[-1])
+    return (into[0], carried) if into_clipping else carried
 
 
 def label_smoothed_cross_entropy(
@@ -851,7 +897,9 @@ class Trainer:
         restored = self.checkpoints.restore_latest(
             fresh.params,
             fresh.opt_state,
-            [_other_clipping_form(fresh.opt_state, self.config.grad_clip_norm is not None)],
+            _other_optimizer_forms(
+                self.config, self.model_config.d_model, fresh.params, fresh.opt_state
+            ),
         )
         if restored is None:
             host_state = fresh
