@@ -335,9 +335,11 @@ def resumed_changes(saved: dict[str, Any], train_cfg, data_cfg: dict[str, Any]) 
     """What a resume changes of the run's saved settings, as "--flag old -> new": its
     training settings (a larger --steps, say) and where its data is read from."""
     saved_data = saved.get("data") or {}
+    # A setting newer than the run's config.json had, there, the value that kept its training.
+    defaults = {f.name: f.default for f in dataclasses.fields(train_cfg)}
     changes = []
     for there, now in (
-        (saved.get("train") or {}, train_cfg.to_dict()),
+        (defaults | (saved.get("train") or {}), train_cfg.to_dict()),
         (
             {k: saved_data.get(k) for k in DATA_LOCATIONS},
             {k: data_cfg.get(k) for k in DATA_LOCATIONS},

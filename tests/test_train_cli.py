@@ -546,6 +546,54 @@ def test_gradient_clipping_can_be_turned_on_and_off_when_resuming(
             np.testing.assert_allclose(x, y, rtol=0, atol=2e-6, err_msg=name)
 
 
+def test_weight_decay_can_be_turned_on_and_off_when_resuming(
+    straight_run, slice_dir, tmp_path, capsys
+):
+    # Weight decay, like clipping, adds a place holder to the optimizer state; a resume
+    # that turns it on or off keeps Adam's moments and the schedule's count. A decay too
+    # small to move a weight leaves the straight run's parameters but for rounding.
+    assert train.main(_flags(slice_dir, tmp_path, "--steps", "4")) == 0
+    # A run from before the setting existed resumes as plain Adam, no change reported.
+    config = load_run_config(tmp_path)
+    del config["train"]["weight_decay"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert train.main(_flags(slice_dir, tmp_path, "--steps", "6")) == 0
+    out = capsys.readouterr().out
+    assert "resumed from step 4" in out and "--weight-decay" not in out
+    assert load_run_config(tmp_path)["train"]["weight_decay"] == 0.0
+    assert train.main(_flags(slice_dir, tmp_path, "--steps", "8", "--weight-decay", "1e-20")) == 0
+    out, err = capsys.readouterr()
+    assert "damaged" not in out + err and "resumed from step 6" in out
+    assert "--weight-decay 0.0 -> 1e-20" in out
+    assert load_run_config(tmp_path)["train"]["weight_decay"] == 1e-20
+    # On with clipping on too, then both off: every pairing of the two restores.
+    flags = ["--steps", "10", "--clip-grad-norm", "1e9"]
+    assert train.main(_flags(slice_dir, tmp_path, *flags)) == 0
+    assert train.main(_flags(slice_dir, tmp_path, "--steps", "12", "--weight-decay", "0",
+                             "--clip-grad-norm", "0")) == 0  # fmt: skip
+    out, err = capsys.readouterr()
+    assert "damaged" not in out + err and "resumed from step 10" in out
+    assert load_run_config(tmp_path)["train"]["weight_decay"] == 0.0
+    resumed = jax.tree_util.tree_leaves_with_path(restore_params(tmp_path, 12)[0])
+    straight = jax.tree.leaves(restore_params(straight_run, 12)[0])
+    for (path, x), y in zip(resumed, straight, strict=True):
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        if not name.endswith("key/bias"):  # as in the clipping test above
+            np.testing.assert_allclose(x, y, rtol=0, atol=2e-6, err_msg=name)
+
+
+def test_weight_decay_shrinks_the_trained_matrices(straight_run, slice_dir, tmp_path):
+    # The flag reaches the optimizer: a strong decay ends with smaller kernels and
+    # embeddings than the straight run of the same steps, and the same-sized biases.
+    assert train.main(_flags(slice_dir, tmp_path, "--steps", "16", "--weight-decay", "5")) == 0
+    decayed = jax.tree_util.tree_leaves_with_path(restore_params(tmp_path, 16)[0])
+    straight = jax.tree.leaves(restore_params(straight_run, 16)[0])
+    matrices = [(np.linalg.norm(x), np.linalg.norm(y))
+                for (_, x), y in zip(decayed, straight, strict=True) if x.ndim >= 2]  # fmt: skip
+    assert matrices and all(a < 0.9 * b for a, b in matrices)
+
+
 def test_cooldown_shape_flag_offers_every_shape_the_schedule_has():
     # train.py spells the choices out so that --help needs no JAX import; they must not drift.
     flag = train.build_parser()._option_string_actions["--cooldown-shape"]
@@ -708,7 +756,7 @@ def test_help_documents_every_flag():
         "--num-decoder-layers --dropout-rate --attention-dropout-rate --max-len "
         "--share-embeddings --no-share-embeddings --attention-bias --no-attention-bias "
         "--pre-layer-norm --dtype --matmul-dtype --steps --epochs --warmup-steps --lr-scale "
-        "--label-smoothing "
+        "--label-smoothing --weight-decay "
         "--clip-grad-norm --seed --log-every --eval-every --bleu-every --checkpoint-every "
         "--keep-checkpoints "
         "--coordinator-address --num-processes --process-id"

@@ -154,6 +154,8 @@ def test_validation_can_be_turned_off_and_bleu_scored_on_every_line():
         ("learning_rate_scale", math.nan, "learning_rate_scale must be > 0 and finite, got nan"),
         ("grad_clip_norm", -1.0, "grad_clip_norm must be > 0 and finite, got -1.0"),
         ("adam_eps", math.inf, "adam_eps must be > 0 and finite, got inf"),
+        ("weight_decay", -0.1, "weight_decay must be >= 0 and finite, got -0.1"),
+        ("weight_decay", math.nan, "weight_decay must be >= 0 and finite, got nan"),
         ("seed", -1, "seed must be in [0, 2**32), got -1"),
         ("seed", 2**32, "seed must be in [0, 2**32), got 4294967296"),
         ("adam_b1", 1.0, "adam_b1 must be in [0, 1), got 1.0"),
@@ -187,6 +189,7 @@ def test_a_setting_out_of_its_range_is_a_one_line_error_naming_it(field, value, 
         ("cooldown", 1.0),  # the whole run cools down
         ("learning_rate_scale", 1e-30),
         ("grad_clip_norm", None),  # no clipping
+        ("weight_decay", 0.0),  # plain Adam
         ("adam_eps", 1e300),
         ("seed", 0),
         ("seed", 2**32 - 1),  # the largest: jax.random.PRNGKey keeps 32 bits
@@ -278,6 +281,25 @@ def test_optimizer_is_adam_with_the_papers_betas_and_optional_clipping():
     # Adam (second in the chain) saw the gradient clipped to norm 1: g / 500.
     np.testing.assert_allclose(cstate[1][0].mu["w"], 0.1 * grads["w"] / 500.0, rtol=1e-6)
     assert TrainConfig(steps=1).label_smoothing == 0.1  # the paper's epsilon_ls
+
+
+def test_weight_decay_pulls_the_matrices_toward_zero_not_the_vectors():
+    # AdamW: the update is -lr * (Adam's direction + weight_decay * weight), for kernels and
+    # embeddings only; biases and LayerNorm scales (vectors) get Adam's update alone.
+    params = {"kernel": jnp.full((2, 2), 3.0), "bias": jnp.full(2, 3.0)}
+    grads = {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}
+    config = TrainConfig(steps=1, warmup_steps=1, weight_decay=0.1)
+    decayed = make_optimizer(config, d_model=4)
+    updates, _ = decayed.update(grads, decayed.init(params), params)
+    # lr(1) = 0.5, Adam's first direction sign(g) = 1: -0.5 * (1 + 0.1 * 3).
+    np.testing.assert_allclose(updates["kernel"], np.full((2, 2), -0.65), rtol=1e-6)
+    np.testing.assert_allclose(updates["bias"], np.full(2, -0.5), rtol=1e-6)
+    # With no gradient, only the decay moves the matrix: 0.5 * 0.1 of it per update.
+    zero = jax.tree.map(jnp.zeros_like, grads)
+    updates, _ = decayed.update(zero, decayed.init(params), params)
+    np.testing.assert_allclose(updates["kernel"], np.full((2, 2), -0.15), rtol=1e-6)
+    np.testing.assert_allclose(updates["bias"], np.zeros(2), atol=0)
+    assert TrainConfig(steps=1).weight_decay == 0.0  # the paper's plain Adam by default
 
 
 def test_replicate_unreplicate_round_trip():

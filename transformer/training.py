@@ -854,6 +854,7 @@ class Trainer:
         if train_config.cooldown > 0.0 and total_steps is None:
             raise ValueError("a cooldown needs total_steps (or train_config.steps)")
         recipe = _recipe(train_config, total_steps)
+        self.recipe = recipe
         self.schedule = _config_schedule(recipe, model_config.d_model)
         self.optimizer, self.train_step, self.eval_step = _training_functions(
             model_config, recipe, pad_id
@@ -898,7 +899,7 @@ class Trainer:
             fresh.params,
             fresh.opt_state,
             _other_optimizer_forms(
-                self.config, self.model_config.d_model, fresh.params, fresh.opt_state
+                self.recipe, self.model_config.d_model, fresh.params, fresh.opt_state
             ),
         )
         if restored is None:
@@ -1333,6 +1334,7 @@ def _recipe(config: TrainConfig, total_steps: int | None) -> TrainConfig:
         cooldown_shape=config.cooldown_shape,
         label_smoothing=config.label_smoothing,
         grad_clip_norm=config.grad_clip_norm,
+        weight_decay=config.weight_decay,
         adam_b1=config.adam_b1,
         adam_b2=config.adam_b2,
         adam_eps=config.adam_eps,
