@@ -3,9 +3,9 @@
     python benchmarks/train_speed.py                        # default preset and base
     python benchmarks/train_speed.py --presets mini,small --steps 20
 
-For each preset it times the pmapped train step (forward, backward, Adam
-update, dropout on) at one fixed batch shape with no padding, so every position
-is a real target token. Model FLOPs are counted from the matmuls of the
+For each preset it times the pmapped train step (forward, backward, the
+default's AdamW update, dropout on) at one fixed batch shape with no padding, so
+every position is a real target token. Model FLOPs are counted from the matmuls of the
 architecture (forward x 3 for forward + backward; embedding lookups, softmax,
 layer norm and the optimizer are not counted, as is usual for utilization).
 The peak is the best FLOP/s of a large matmul in the step's matmul dtype
@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train import DATA_DEFAULTS, DEFAULT_PRESET  # noqa: E402
+from train import DATA_DEFAULTS, DEFAULT_PRESET, TRAIN_DEFAULTS  # noqa: E402
 from transformer import Transformer, TransformerConfig  # noqa: E402
 from transformer.host_memory import keep_freed_host_memory  # noqa: E402
 from transformer.training import (  # noqa: E402
@@ -178,7 +178,8 @@ def make_step_inputs(cfg: TransformerConfig, rows: int, src_len: int, tgt_len: i
       (step, state, batch), ready for `state, metrics = step(state, batch)`.
     """
     model = Transformer(cfg)
-    recipe = TrainConfig(steps=1000, warmup_steps=1000)
+    # The default's optimizer: AdamW with train.py's weight decay.
+    recipe = TrainConfig(steps=1000, warmup_steps=1000, weight_decay=TRAIN_DEFAULTS["weight_decay"])
     optimizer = make_optimizer(recipe, cfg.d_model)
     state = replicate(create_train_state(model, optimizer, seed=0))
     step = make_train_step(model, optimizer, label_smoothing=0.1, pad_id=cfg.pad_id)

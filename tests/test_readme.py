@@ -67,6 +67,7 @@ def test_readme_states_the_training_defaults():
         f"{t['epochs']} epochs",
         f"at most {d['max_tokens']} padded tokens",
         f"warmup {t['warmup_steps']},",
+        f"weight decay {t['weight_decay']:g}",
         f"{shape} to 0 over the last {round(t['cooldown'] * 100)}% of the steps",
         f"a checkpoint every {t['checkpoint_every']} steps",
     ):
