@@ -305,7 +305,8 @@ def _other_optimizer_forms(
             other = config.replace(
                 grad_clip_norm=1.0 if clipping else None, weight_decay=0.1 if decaying else 0.0
             )
-            template = make_optimizer(other, d_model).init(params)
+            # Its shapes and dtypes only: no second optimizer state is allocated.
+            template = jax.eval_shape(make_optimizer(other, d_model).init, params)
             forms.append((template, functools.partial(_carry_adam, opt_state, here[0], clipping)))
     return forms
 
