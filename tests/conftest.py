@@ -7,7 +7,17 @@ from pathlib import Path
 
 import pytest
 
-import transformer.host_memory
+# The suite compiles hundreds of small programs and runs each a few times, so XLA's
+# optimization passes cost it more than they save: with them off (JAX's
+# jax_disable_most_optimizations, read from this variable when JAX is imported, and
+# inherited by the processes the tests start) the whole suite took 10m00s instead of
+# 12m24s on the 2-core machine, 17m46s of CPU time instead of 22m21s
+# (benchmarks/EXPERIMENTS.md, "The test suite's time"). The programs compute the same
+# things, rounded in another order at most. `JAX_DISABLE_MOST_OPTIMIZATIONS=0 python -m
+# pytest` runs the suite with the full optimization that training and evaluation use.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+import transformer.host_memory  # noqa: E402  (imports JAX: after the setting above)
 
 # keep_freed_host_memory() puts every thread of the process on one malloc heap for good,
 # which slows compiling (transformer/host_memory.py). The suite compiles hundreds of small
@@ -15,6 +25,18 @@ import transformer.host_memory
 # benchmarks make in it change nothing here: tests/test_evaluate.py ran in 58 s instead of
 # 70 s. tests/test_host_memory.py checks the setting itself, in processes of its own.
 transformer.host_memory.keep_freed_host_memory = lambda: False
+
+
+@pytest.fixture
+def full_optimization():
+    """XLA's full optimization for the test's compilations (the suite's is off, above): for
+    tests of what the compiled programs of training and evaluation are made of."""
+    import jax
+
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture(scope="session")

@@ -173,8 +173,9 @@ def test_cached_equals_uncached_with_unequal_stacks(encoder_layers, decoder_laye
         vocab_size=16, num_encoder_layers=encoder_layers, num_decoder_layers=decoder_layers
     )
     # Three decoder layers round differently in the two paths: measured 1.3e-5 relative
-    # on one score of four (1+3), with the same tokens.
-    _assert_cached_equals_uncached(model, params, _sources(16, [6, 3, 9, 4]), score_rtol=3e-5)
+    # on one score of four (1+3), with the same tokens, and 3.3e-5 with XLA's optimizations
+    # off (tests/conftest.py).
+    _assert_cached_equals_uncached(model, params, _sources(16, [6, 3, 9, 4]), score_rtol=1e-4)
 
 
 def test_beam_search_ignores_batch_neighbours(model_and_sources):

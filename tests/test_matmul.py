@@ -12,6 +12,9 @@ from jax import lax
 from transformer import Transformer, TransformerConfig
 from transformer.matmul import attend, attention_scores, dense_dot_general, matmul_transposed
 
+# The compiled programs below are looked into: compile them as training does.
+pytestmark = pytest.mark.usefixtures("full_optimization")
+
 _DENSE_DIMS = (((2,), (0,)), ((), ()))  # x [B, L, K] . w [K, M], as flax's Dense
 _HEADS_DIMS = (((2, 3), (0, 1)), ((), ()))  # x [B, L, H, D] . w [H, D, M], as the W^O projection
 
