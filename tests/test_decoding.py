@@ -439,6 +439,7 @@ def test_no_search_outputs_padding_however_probable():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks XLA:CPU's lowering")
+@pytest.mark.usefixtures("full_optimization")  # the program as evaluation compiles it
 def test_beam_search_top_k_is_not_a_full_sort(model_and_sources):
     """XLA:CPU must lower each step's top_k to its TopK call, not a sort of [batch, beams * vocab].
 

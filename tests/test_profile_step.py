@@ -10,6 +10,9 @@ import pytest
 from benchmarks import profile_step
 from benchmarks.profile_step import is_matmul, leaf_op_durations, matmul_fusions
 
+# The compiled programs below are looked into: compile them as the benchmark does.
+pytestmark = pytest.mark.usefixtures("full_optimization")
+
 
 def compiled_text(fn, *args) -> str:
     return jax.jit(fn).lower(*args).compile().as_text()
