@@ -27,6 +27,38 @@ import transformer.host_memory  # noqa: E402  (imports JAX: after the setting ab
 transformer.host_memory.keep_freed_host_memory = lambda: False
 
 
+# Modules whose tests share what one process builds once: a module-scoped fixture (a trained
+# workdir, a model) and the programs their tests compile. pytest-xdist's default scheduling
+# spreads a module's tests over the workers, so each built them: test_evaluate.py's trained
+# workdir took 22 s on both. These modules run whole on one worker; every other test is
+# scheduled on its own, as before. (`--dist loadgroup` with xdist_group marks was made for
+# this, but it passes the group in the test's node id, which pytest 9.2 no longer lets a
+# plugin change: pytest-xdist issue #1386.)
+MODULES_RUN_WHOLE = frozenset(
+    f"tests/test_{name}.py"
+    for name in (
+        "checkpoints", "data_batching", "decoding", "evaluate", "train_cli", "training",
+        "translate",
+    )
+)  # fmt: skip
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, when it is loaded
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N` (pyproject.toml's addopts): MODULES_RUN_WHOLE each as one unit of work, every
+    other test as its own; units with the most tests are handed out first."""
+    if config.getvalue("dist") != "load":  # another --dist asked for on the command line
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesWholeScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in MODULES_RUN_WHOLE else nodeid
+
+    return ModulesWholeScheduling(config, log)
+
+
 @pytest.fixture
 def full_optimization():
     """XLA's full optimization for the test's compilations (the suite's is off, above): for
