@@ -32,9 +32,9 @@ transformer.host_memory.keep_freed_host_memory = lambda: False
 # spreads a module's tests over the workers, so each built them: test_evaluate.py's trained
 # workdir took 22 s on both. These modules run whole on one worker; every other test is
 # scheduled on its own, as before (test_multihost.py's one module-scoped fixture serves a
-# single test, so its tests stay spread). (`--dist loadgroup` with xdist_group marks was made for
-# this, but it passes the group in the test's node id, which pytest 9.2 no longer lets a
-# plugin change: pytest-xdist issue #1386.)
+# single test, so its tests stay spread). (`--dist loadgroup` with xdist_group marks was
+# made for this, but it passes the group in the test's node id, which pytest 9.2 no longer
+# lets a plugin change: pytest-xdist issue #1386.)
 MODULES_RUN_WHOLE = frozenset(
     f"tests/test_{name}.py"
     for name in (
