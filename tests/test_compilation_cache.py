@@ -5,6 +5,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -86,6 +87,30 @@ def test_the_cache_is_bounded_inside_the_block_and_a_callers_bound_kept(tmp_path
             assert jax.config.values["jax_compilation_cache_max_size"] == 10**6
     finally:
         jax.config.update("jax_compilation_cache_max_size", before)
+
+
+def test_a_folder_an_unbounded_cache_filled_takes_new_programs(tmp_path, cache_events):
+    # Another JAX program's $JAX_COMPILATION_CACHE_DIR, written without a size bound, has
+    # no last-use files; the bounded cache read one for every program before each save,
+    # so every save failed with a warning and nothing new was kept.
+    previous = (jax.config.values["jax_compilation_cache_dir"], -1)
+    compilation_cache._set(str(tmp_path / "xla"), -1)
+    try:
+        jax.jit(_program)(jnp.ones((2, 3)))
+    finally:
+        compilation_cache._set(*previous)
+    written = set((tmp_path / "xla").glob("*-cache"))
+    assert written and not list((tmp_path / "xla").glob("*-atime"))
+
+    jax.clear_caches()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with persistent_compilation_cache(tmp_path / "xla"):
+            jax.jit(lambda x: _program(x) * 3)(jnp.ones((2, 3)))
+    assert [str(w.message) for w in caught if "cache" in str(w.message)] == []
+    programs = set((tmp_path / "xla").glob("*-cache"))
+    assert len(programs) > len(written), "the new program was not saved"
+    assert all(p.with_name(p.name[: -len("cache")] + "atime").exists() for p in programs)
 
 
 def test_disabled_means_no_cache(tmp_path, cache_events):

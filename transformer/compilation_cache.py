@@ -107,11 +107,30 @@ def persistent_compilation_cache(
             import filelock  # noqa: F401
 
             max_bytes = MAX_BYTES
+    if path is not None and max_bytes != -1:
+        _give_entries_a_last_use(path)
     _set(str(path) if path is not None else None, max_bytes)
     try:
         yield path
     finally:
         _set(*previous)
+
+
+def _give_entries_a_last_use(path: Path) -> None:
+    """Writes a last-use time beside each program that has none, so a bounded cache can use
+    a folder an unbounded one filled (another JAX program's `$JAX_COMPILATION_CACHE_DIR`).
+
+    A bounded cache keeps `KEY-atime` (the last use, nanoseconds, 8 bytes little-endian)
+    beside each `KEY-cache` and reads every one before it saves a program; one missing made
+    every save fail with a warning. The program file's modification time stands in.
+    """
+    try:
+        for program in path.glob("*-cache"):
+            atime = program.with_name(program.name.removesuffix("-cache") + "-atime")
+            if not atime.exists():
+                atime.write_bytes(program.stat().st_mtime_ns.to_bytes(8, "little"))
+    except OSError:
+        pass  # another process's eviction, say; JAX then warns for the program it saves
 
 
 def _print_to_stderr(message: str) -> None:
