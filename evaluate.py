@@ -75,6 +75,7 @@ from transformer.translate import (
 STDOUT = "-"  # --output's name for standard output
 DEFAULT_BEAM, DEFAULT_ALPHA = 5, 1.25
 DEFAULT_MAX_EXTRA_LEN, DEFAULT_MAX_TOKENS, DEFAULT_PLOT_DIR = 50, 4096, "attention_plots"
+LARGEST_SEARCH_SIZE = 2**20  # --beam and --max-extra-len; far past any useful setting
 
 
 def _to_stdout(output: str | None) -> bool:
@@ -259,9 +260,20 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("--plot-heads adds to --plot-attention N's plots: add it, or drop it")
     if args.input and not args.translate:
         raise UsageError("--input goes with --translate (use --src-file to score a file)")
+    if args.translate and not args.input and sys.stdin is None:
+        raise UsageError("standard input is closed: give the sentences on it, or --input FILE")
+    if (args.translate or args.output == STDOUT) and sys.stdout is None:
+        raise UsageError(
+            "standard output is closed, and the translations go there: send it to a file"
+        )
     for name in ("beam", "max_tokens"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("beam", "max_extra_len"):  # the search counts in 32-bit integers
+        if getattr(args, name) > LARGEST_SEARCH_SIZE:
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be at most {LARGEST_SEARCH_SIZE:,}"
+            )
     if not 0 <= args.alpha < float("inf"):  # NaN fails too
         raise UsageError(f"--alpha must be a finite number >= 0, got {args.alpha}")
     if args.max_extra_len < 0 or args.plot_attention < 0:
@@ -422,7 +434,7 @@ def _check_output_places(args: argparse.Namespace) -> None:
             )
     if _output_file(args):
         output = Path(args.output)
-        if output.is_dir():
+        if output.is_dir() or args.output.endswith(("/", os.sep)):
             raise UsageError(f"--output {args.output} is a directory; name a file")
         for flag in ("input", "src_file", "ref_file"):
             given = getattr(args, flag)

@@ -484,6 +484,18 @@ def test_training_curve_path_errors_name_the_path(name, message, workdir, tmp_pa
             "--max-tokens must be at least 1",
         ),
         (["--workdir", "{workdir}", "--split", "val", "--max-extra-len", "-1"], "negative"),
+        (
+            ["--workdir", "{workdir}", "--split", "val", "--beam", "100000000000"],
+            "--beam must be at most 1,048,576",
+        ),
+        (
+            ["--workdir", "{workdir}", "--split", "val", "--max-extra-len", "3000000000"],
+            "--max-extra-len must be at most 1,048,576",
+        ),
+        (
+            ["--workdir", "{workdir}", "--split", "val", "--output", "{missing}/"],
+            "--output {missing}/ is a directory; name a file",
+        ),
         (["--workdir", "{workdir}", "--split", "val", "--plot-attention", "-1"], "negative"),
         (["--workdir", "{workdir}", "--split", "val", "--checkpoint", "\u00b2"], "a step number"),
         (
@@ -517,6 +529,9 @@ def test_training_curve_path_errors_name_the_path(name, message, workdir, tmp_pa
         "beam-0",
         "max-tokens-0",
         "max-extra-len-negative",
+        "beam-past-int32",
+        "max-extra-len-past-int32",
+        "output-names-a-new-directory",
         "plot-attention-negative",
         "checkpoint-superscript-digit",
         "plot-dir-without-plots",
@@ -547,6 +562,25 @@ def test_user_errors_are_one_line_and_exit_2(argv, message, workdir, tmp_path, c
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert message.format(**paths) in err, err
+
+
+@pytest.mark.parametrize(
+    "stream, argv, message",
+    [
+        ("stdin", ["--translate"], "standard input is closed"),
+        ("stdout", ["--translate"], "standard output is closed"),
+        ("stdout", ["--split", "val", "--output", "-"], "standard output is closed"),
+    ],
+)
+def test_a_closed_standard_stream_is_a_one_line_error(
+    stream, argv, message, workdir, monkeypatch, capsys
+):
+    # A shell's `<&-` or `>&-` leaves Python's sys.stdin or sys.stdout None.
+    monkeypatch.setattr(sys, stream, None)
+    code = evaluate.main(["--workdir", str(workdir), "--no-progress", *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
 
 
 def test_the_least_values_of_the_search_flags_are_accepted():
