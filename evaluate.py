@@ -271,9 +271,7 @@ def _check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("beam", "max_extra_len"):  # the search counts in 32-bit integers
         if getattr(args, name) > LARGEST_SEARCH_SIZE:
-            raise UsageError(
-                f"--{name.replace('_', '-')} must be at most {LARGEST_SEARCH_SIZE:,}"
-            )
+            raise UsageError(f"--{name.replace('_', '-')} must be at most {LARGEST_SEARCH_SIZE:,}")
     if not 0 <= args.alpha < float("inf"):  # NaN fails too
         raise UsageError(f"--alpha must be a finite number >= 0, got {args.alpha}")
     if args.max_extra_len < 0 or args.plot_attention < 0:
