@@ -454,16 +454,20 @@ def _in_flag_words(error: Exception, config_class: type) -> str:
     return re.sub(rf"\b({'|'.join(fields)})\b", lambda m: _flag(m[1]), str(error))
 
 
-def check_resume_matches(workdir: Path, saved: dict[str, Any], section: str, now: dict) -> None:
-    """Raises a one-line error if a resumed run asks for another model or data setup."""
+def check_resume_matches(
+    workdir: Path, saved: dict[str, Any], section: str, now: dict, preset: str | None = None
+) -> None:
+    """Raises a one-line error if a resumed run asks for another model or data setup;
+    `preset`: the --preset given, whose values the model flags left out take."""
     from transformer.checkpoints import CheckpointError, checkpoint_steps
 
     ignore = DATA_LOCATIONS if section == "data" else ()
     diffs = _differences(saved.get(section) or {}, now, ignore)
     if diffs and checkpoint_steps(workdir):
+        flags = "those flags" if preset is None else f"--preset {preset} and those flags"
         raise CheckpointError(
             f"{workdir} holds a run with other {section} settings ({'; '.join(diffs)}); "
-            "leave those flags out to resume it, or train into a new --workdir"
+            f"leave {flags} out to resume it, or train into a new --workdir"
         )
 
 
@@ -1031,7 +1035,11 @@ def install_stop_handlers(stop: StopRequest, log, training: threading.Event) -> 
         if stop.compiling:
             what = "stopping the compiling; nothing new was trained, so nothing is saved"
         elif training.is_set():
-            what = "saving a checkpoint, then stopping"
+            # A second Ctrl-C ends the run at once: a save that hangs (a full disk, a dead
+            # network mount) cannot then keep it from ending.
+            what = (
+                "saving a checkpoint, then stopping (a Ctrl-C now stops at once, maybe before it)"
+            )
         else:
             what = "before training starts, then stopping"
         log(f"{signal.Signals(signum).name}: {what}")
@@ -1135,7 +1143,9 @@ def run_settings(args: argparse.Namespace, log) -> RunSettings:
     model_cfg = model_config(args, saved, data_cfg["vocab_size"], pad_id=0)
     if saved is not None:
         from_tokenizer = {k: v for k, v in saved["model"].items() if k in ("vocab_size", "pad_id")}
-        check_resume_matches(workdir, saved, "model", model_cfg.to_dict() | from_tokenizer)
+        check_resume_matches(
+            workdir, saved, "model", model_cfg.to_dict() | from_tokenizer, args.preset
+        )
         check_resume_matches(workdir, saved, "data", data_cfg)
         changes = resumed_changes(saved, train_cfg, data_cfg)
         if changes and checkpoint_steps(workdir):
@@ -1180,7 +1190,7 @@ def _run_locked(
         check_stop_before_training(stop)
         model_cfg = model_config(args, saved, loaded.tokenizer.vocab_size, loaded.tokenizer.pad_id)
         if saved is not None:
-            check_resume_matches(workdir, saved, "model", model_cfg.to_dict())
+            check_resume_matches(workdir, saved, "model", model_cfg.to_dict(), args.preset)
         for line in loaded.summary:
             log(line)
         train_cfg = settings.train
@@ -1344,8 +1354,9 @@ def _duration(seconds: float) -> str:
 
 OUT_OF_MEMORY_ADVICE = (
     "lower --max-tokens (the batch), or choose a smaller model (--preset, --d-model, --d-ff, "
-    "--num-encoder-layers, --num-decoder-layers); a run that was training resumes from its "
-    "last checkpoint"
+    "--num-encoder-layers, --num-decoder-layers), in a new --workdir (a resume keeps its "
+    "run's settings); where memory was short only for a while, the same command resumes "
+    "from the last checkpoint"
 )
 
 

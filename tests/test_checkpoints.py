@@ -170,6 +170,26 @@ def test_a_bleu_recorded_after_the_save_makes_its_step_compete_for_the_best(tmp_
     np.testing.assert_array_equal(jax.tree.leaves(best)[0], jax.tree.leaves(_shifted(params, 2))[0])
 
 
+def test_a_stops_checkpoint_is_kept_apart_from_the_last_k_until_a_scheduled_one_follows(
+    tmp_path, params
+):
+    with Checkpoints(tmp_path, keep=2) as ckpts:
+        for step in (2, 4, 6):
+            ckpts.save(step, params, _OPT, {})
+        ckpts.save(7, params, _OPT, {}, interim=True)  # a stop: it deletes nothing
+        assert ckpts.steps() == [4, 6, 7]
+        ckpts.save(8, params, _OPT, {})  # the resumed run's next save deletes it
+        assert ckpts.steps() == [6, 8]
+        # A stop that skipped a BLEU validation: the resume scores it, so it was on the
+        # schedule after all, and counts among the last 2.
+        ckpts.save(9, params, _OPT, {}, interim=True)
+        ckpts.record_bleu(9, 12.5)
+        ckpts.save(10, params, _OPT, {})
+        assert ckpts.steps() == [9, 10] and ckpts.best_step() == 9
+        with pytest.raises(ValueError, match="on the schedule, not interim"):
+            ckpts.save(11, params, _OPT, {}, val_bleu=1.0, interim=True)
+
+
 @pytest.mark.parametrize("keep", [0, -1])
 def test_keeping_no_checkpoint_is_an_error(tmp_path, keep):
     with pytest.raises(ValueError, match=f"^keep must be >= 1, got {keep}$"):

@@ -31,8 +31,10 @@ import train
 from transformer import training
 from transformer.checkpoints import (
     Checkpoints,
+    average_params,
     checkpoint_steps,
     load_run_config,
+    restore_last,
     restore_params,
 )
 from transformer.training import NonFiniteLossError, read_metrics
@@ -365,21 +367,30 @@ def test_a_run_resumes_exactly_from_its_moved_data_and_says_what_the_resume_chan
     _params_equal(restore_params(workdir, "last")[0], restore_params(straight_run, "last")[0])
 
 
-def test_a_stop_between_two_log_records_resumes_to_the_same_records(
+def test_a_stop_between_two_log_records_resumes_to_the_same_records_and_checkpoints(
     straight_run, slice_dir, tmp_path, capsys, monkeypatch
 ):
     # A record holds the means over the steps since the last one; the checkpoint of a
-    # stop at step 6 carries the sums of steps 5 and 6 into the resumed run's record 8.
-    _sigterm_after_step(6, monkeypatch)
+    # stop at step 14 carries the sums of steps 13 and 14 into the resumed run's record 16.
+    _sigterm_after_step(14, monkeypatch)
     assert train.main(_flags(slice_dir, tmp_path, "--steps", "16")) == 0
-    assert "interrupted at step 6" in capsys.readouterr().out
-    assert checkpoint_steps(tmp_path) == [4, 6]
+    out = capsys.readouterr().out
+    assert "SIGTERM: saving a checkpoint, then stopping (a Ctrl-C now stops at once" in out
+    assert "interrupted at step 14" in out
+    # The stop's checkpoint is not one of the last 3 the run keeps: counted among them, it
+    # deleted step 8 for good, and evaluate.py's average of the last 3 took 12, 14 and 16
+    # where a run that never stopped has 8, 12 and 16.
+    assert checkpoint_steps(tmp_path) == [4, 8, 12, 14]
     monkeypatch.undo()
     assert train.main(["--workdir", str(tmp_path), "--no-progress"]) == 0
     fields = ("step", "loss", "nll", "grad_norm")
     logged = [tuple(r[k] for k in fields) for r in read_metrics(tmp_path) if "loss" in r]
     expected = [tuple(r[k] for k in fields) for r in read_metrics(straight_run) if "loss" in r]
     assert [r[0] for r in logged] == [4, 8, 12, 16] and logged == expected
+    assert checkpoint_steps(tmp_path) == checkpoint_steps(straight_run) == [8, 12, 16]
+    averaged, steps = restore_last(tmp_path, 3)
+    assert steps == [8, 12, 16]
+    _params_equal(average_params(averaged), average_params(restore_last(straight_run, 3)[0]))
 
 
 def test_a_stop_before_the_first_update_saves_nothing_and_the_run_starts_again(
@@ -626,8 +637,10 @@ def test_cooldown_ends_the_run_at_a_learning_rate_near_zero(slice_dir, tmp_path,
     "flags, difference",
     [
         (["--d-model", "64"], "--d-model 32 there, 64 now"),
-        (["--preset", "small"], "--d-model 32 there, 256 now"),
-        (["--dropout-rate", "0.2"], "--dropout-rate 0.1 there, 0.2 now"),
+        # The flags left out take --preset's values: it is named, as the user left out
+        # --d-model already.
+        (["--preset", "small"], "now); leave --preset small and those flags out to resume"),
+        (["--dropout-rate", "0.2"], "--dropout-rate 0.1 there, 0.2 now); leave those flags"),
     ],
 )
 def test_resuming_with_another_model_config_is_a_one_line_error_before_the_data_is_read(
@@ -1217,7 +1230,8 @@ def test_running_out_of_memory_is_one_line_that_names_the_flags(error, start, mo
     assert train.main(["--workdir", "unused"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(start) and err.count("\n") == 1, err
-    assert "lower --max-tokens" in err
+    # A resume refuses another --max-tokens or model: the advice must not send one there.
+    assert "lower --max-tokens" in err and "in a new --workdir (a resume keeps its" in err
 
 
 def test_other_errors_are_not_taken_for_running_out_of_memory(monkeypatch):

@@ -148,6 +148,14 @@ def test_validation_can_be_turned_off_and_bleu_scored_on_every_line():
         ("steps", 0, "steps must be >= 1, got 0"),
         ("epochs", 0, "epochs must be >= 1, got 0"),
         ("warmup_steps", 0, "warmup_steps must be >= 1, got 0"),
+        # The step counter is 32 bits: more was a jit's OverflowError traceback, after the
+        # tokenizer and the tokenized splits were written into the workdir.
+        ("steps", 2**31, "steps must be at most 2,147,483,647, got 2,147,483,648"),
+        (
+            "warmup_steps",
+            10**20,
+            "warmup_steps must be at most 2,147,483,647, got 100,000,000,000,000,000,000",
+        ),
         ("cooldown", -0.01, "cooldown must be in [0, 1], got -0.01"),
         ("cooldown", 1.01, "cooldown must be in [0, 1], got 1.01"),
         ("learning_rate_scale", 0.0, "learning_rate_scale must be > 0 and finite, got 0.0"),

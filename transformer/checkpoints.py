@@ -13,7 +13,10 @@ A checkpoint at step N holds the state after N optimizer updates: the float32
 parameters, the optimizer state, and a JSON "meta" item (step, RNG key, data
 iterator position). Checkpoints that were scored on the validation set carry an
 Orbax metric `val_bleu`; the manager keeps the last `keep` checkpoints plus the
-one with the best `val_bleu`. Orbax writes each step to a temporary directory
+one with the best `val_bleu`. A checkpoint a stop saved between the scheduled ones carries
+the metric `interim`: it counts toward none of the `keep`, so a stop deletes no scheduled
+checkpoint, and the next scheduled save deletes it, so a resumed run keeps the checkpoints
+an uninterrupted one keeps. Orbax writes each step to a temporary directory
 and renames it when complete, so a killed process never leaves a step directory
 that looks finished but is not. A finished one that was damaged later is renamed
 to `<step>.damaged` when a resume skips it, so that the step is trained and saved
@@ -40,7 +43,6 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint import checkpoint_managers
 
 from data.text import write_text_atomically
 
@@ -49,6 +51,7 @@ TOKENIZER_FILE = "tokenizer.model"
 CHECKPOINT_DIR = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
 BEST_METRIC = "val_bleu"
+INTERIM_METRIC = "interim"  # a checkpoint saved off the schedule, by a stop
 # What else train.py keeps in a workdir: its tokenized splits, the lock of a run under way,
 # and TensorBoard's event files (a prefix).
 RUN_ENTRIES = (CONFIG_FILE, TOKENIZER_FILE, CHECKPOINT_DIR, METRICS_FILE, "cache", "train.lock")
@@ -408,7 +411,31 @@ def record_environment(workdir: str | os.PathLike, step: int) -> list[str]:
 
 
 def _best_metric(metrics: dict[str, float]) -> float:
-    return float(metrics[BEST_METRIC])
+    return float(metrics.get(BEST_METRIC, float("-inf")))
+
+
+class _KeptCheckpoints:
+    """Which checkpoints a run keeps (an Orbax preservation policy): the last `keep` saved
+    on the schedule, any saved off it (by a stop) after the newest of those, and the best
+    by `val_bleu` (the newest of tied ones).
+
+    Orbax's LatestN counted a stop's checkpoint among the last `keep`: the stop deleted
+    the oldest scheduled one for good, and `evaluate.py`'s average of the last checkpoints
+    then took the stop's step in place of it, so a stopped and resumed run scored other
+    parameters than one that never stopped."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
+        del context
+        steps = [(info.step, info.metrics or {}) for info in checkpoints]
+        scheduled = sorted(step for step, m in steps if INTERIM_METRIC not in m)
+        latest = set(scheduled[-self.keep :])
+        newest = scheduled[-1] if scheduled else -1
+        scored = [(m[BEST_METRIC], step) for step, m in steps if BEST_METRIC in m]
+        best = max(scored)[1] if scored else None
+        return [step in latest or step > newest or step == best for step, _ in steps]
 
 
 def tree_shapes(tree: PyTree) -> dict[str, tuple[int, ...]]:
@@ -475,14 +502,7 @@ class Checkpoints:
         # Before any read: a damaged checkpoint can fail in `item_metadata` (the shape
         # check) as well as in the restore, with the same late reads after it.
         _drop_stray_read_errors()
-        policy = checkpoint_managers.AnyPreservationPolicy(
-            [
-                checkpoint_managers.LatestN(n=keep),
-                checkpoint_managers.BestN(
-                    get_metric_fn=_best_metric, n=1, keep_checkpoints_without_metrics=False
-                ),
-            ]
-        )
+        policy = _KeptCheckpoints(keep)
         if read_only and not self.directory.is_dir():
             raise CheckpointError(
                 f"no checkpoints in {Path(workdir)} ({self.directory} is missing)"
@@ -544,6 +564,7 @@ class Checkpoints:
         meta: dict[str, Any],
         *,
         val_bleu: float | None = None,
+        interim: bool = False,
     ) -> None:
         """Writes a checkpoint for `step` (after `step` updates); no-op if it exists.
 
@@ -557,7 +578,11 @@ class Checkpoints:
           meta: JSON-serializable dict; "step" is added.
           val_bleu: validation BLEU of these parameters, if measured (used to
             keep the best checkpoint).
+          interim: saved off the schedule (by a stop): kept only until the next save on
+            the schedule, and not counted among the last `keep`.
         """
+        if val_bleu is not None and interim:
+            raise ValueError("a checkpoint with a validation BLEU is on the schedule, not interim")
         if step in self._manager.all_steps():
             return
         args = ocp.args.Composite(
@@ -566,6 +591,8 @@ class Checkpoints:
             meta=ocp.args.JsonSave({**meta, "step": int(step)}),
         )
         metrics = None if val_bleu is None else {BEST_METRIC: float(val_bleu)}
+        if interim:
+            metrics = {INTERIM_METRIC: 1.0}
         with _quiet_orbax(), _write_errors(self.directory):
             self._manager.save(step, args=args, metrics=metrics, force=True)
 

@@ -79,6 +79,9 @@ _NON_FINITE_ADVICE = (
 )
 
 
+MAX_STEPS = 2**31 - 1  # the step counter is a 32-bit integer in the compiled step
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """How to train (everything except the model and the data).
@@ -138,12 +141,12 @@ class TrainConfig:
     def __post_init__(self):
         if self.steps is None and self.epochs is None:
             raise ValueError("give either steps or epochs")
-        for name in ("steps", "epochs"):
+        for name in ("steps", "epochs", "warmup_steps"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be >= 1, got {self.warmup_steps}")
+            if value is not None and value > MAX_STEPS:
+                raise ValueError(f"{name} must be at most {MAX_STEPS:,}, got {value:,}")
         if not 0.0 <= self.cooldown <= 1.0:
             raise ValueError(f"cooldown must be in [0, 1], got {self.cooldown}")
         if self.cooldown_shape not in COOLDOWN_SHAPES:
@@ -978,8 +981,9 @@ class Trainer:
     def _eval(self, params: PyTree, batch: Batch) -> dict[str, jax.Array]:
         return self._eval_programs.get(batch_layout(batch), self.eval_step)(params, batch)
 
-    def save(self, *, val_bleu: float | None = None) -> None:
-        """Checkpoints the current state (no-op if this step is already saved)."""
+    def save(self, *, val_bleu: float | None = None, interim: bool = False) -> None:
+        """Checkpoints the current state (no-op if this step is already saved); `interim`:
+        off the schedule (a stop's), so the next scheduled save deletes it."""
         host = unreplicate(self.state)
         meta = {
             "rng": [int(x) for x in np.asarray(host.rng).ravel()],
@@ -988,7 +992,9 @@ class Trainer:
         }
         if self.validation_skipped_at == self.step:
             meta["validation_skipped"] = True
-        self.checkpoints.save(self.step, host.params, host.opt_state, meta, val_bleu=val_bleu)
+        self.checkpoints.save(
+            self.step, host.params, host.opt_state, meta, val_bleu=val_bleu, interim=interim
+        )
 
     def params(self) -> PyTree:
         """The current parameters, unreplicated host numpy."""
@@ -1106,7 +1112,8 @@ class Trainer:
             # resume runs it.
             interrupted = interrupted or self.validation_skipped_at == self.step
             if self.step > 0:  # before the first update there is nothing trained to keep
-                self.save()
+                # A step the schedule saved is saved already; any other is a stop's.
+                self.save(interim=True)
         finally:
             bar.close()
             # Finish background writes even when a non-finite loss escapes: the
