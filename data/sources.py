@@ -234,6 +234,24 @@ def folder_splits(data_dir: str | os.PathLike, src: str, tgt: str) -> list[str]:
 def _read_folder_split(
     data_dir: str | os.PathLike, spec: CorpusSpec, split: str, clean: bool
 ) -> Corpus:
+    return read_parallel(*folder_split_files(data_dir, spec, split), clean=clean)
+
+
+def folder_split_files(
+    data_dir: str | os.PathLike, spec: CorpusSpec, split: str
+) -> tuple[Path, Path]:
+    """The ``{split}.{src}`` and ``{split}.{tgt}`` files of a folder, both there.
+
+    Args:
+      data_dir: a directory of ``{split}.{lang}`` files.
+      spec: the :class:`CorpusSpec` (its ``src`` and ``tgt``).
+      split: the split's name.
+
+    Raises:
+      MissingSplitError: neither file is there (the message lists the splits that are).
+      DataError: the folder is missing, or one of the two files is (a split one file
+        short, or a language the folder has no files for).
+    """
     d = Path(data_dir)
     if not d.is_dir():
         what = "is a file, not a directory" if d.exists() else "not found"
@@ -281,7 +299,7 @@ def _read_folder_split(
             raise DataError(
                 f"no {path.name} in {d} (its {split} files are in: {', '.join(langs)}); {advice}"
             )
-    return read_parallel(src_path, tgt_path, clean=clean)
+    return src_path, tgt_path
 
 
 def load_corpus(spec: CorpusSpec, split: str, *, clean: bool = True) -> Corpus:

@@ -296,6 +296,14 @@ def load_split(spec: Any, split: str) -> tuple[list[str], list[str]]:
             spec.tfds_name,
         )
     elif spec.data_dir:
+        from data.sources import folder_split_files, folder_splits
+
+        # A split one file short is an error, as for --dataset files: the builder's splits
+        # leave it out, and a validation split was then skipped with a warning.
+        available = folder_splits(spec.data_dir, spec.src, spec.tgt)
+        if available and not {split, SPLIT_ALIASES.get(split)} & set(available):
+            with contextlib.suppress(MissingSplitError):  # neither file: said below
+                folder_split_files(spec.data_dir, spec, split)
         builder = folder_builder(spec.data_dir, spec.src, spec.tgt, data_dir=spec.tfds_data_dir)
         label = f"{spec.data_dir} (as a TFDS dataset)"
     else:

@@ -65,6 +65,17 @@ def test_tfds_errors_are_one_line(multi30k_slice, tmp_path):
         data.load_corpus(data.CorpusSpec(dataset="tfds"), "train")
 
 
+def test_a_split_one_file_short_is_an_error_as_for_the_files(multi30k_slice, tmp_path):
+    # The builder's splits left it out: train.py trained without validation, with only a
+    # warning that the folder had no split 'val', where --dataset files names the file.
+    folder = multi30k_slice(n=20, splits=("train", "val"))
+    (folder / "val.de").unlink()
+    for spec in (tfds_spec(folder, tmp_path), tfds_spec(folder, tmp_path).replace(dataset="files")):
+        with pytest.raises(data.DataError, match=r"^no val\.de in .*; add val\.de ") as e:
+            data.load_corpus(spec, "val")
+        assert not isinstance(e.value, data.MissingSplitError)  # not "no validation"
+
+
 def test_a_missing_wmt_split_is_reported_before_any_download(tmp_path):
     # WMT builders declare their splits before preparing; the check runs offline here, so
     # reaching the download would fail with "could not download/prepare" instead.
