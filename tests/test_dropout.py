@@ -58,6 +58,11 @@ def test_module_is_identity_when_deterministic_or_rate_rounds_to_zero():
     x = jnp.arange(12.0).reshape(3, 4)
     rngs = {"dropout": jax.random.key(0)}
     assert Dropout(0.5, deterministic=True).apply({}, x, rngs=rngs) is x
+    # Flax's call form too: a drop-in for nn.Dropout(rate)(x, deterministic=not train).
+    assert Dropout(0.5).apply({}, x, deterministic=True) is x
+    assert np.any(np.asarray(Dropout(0.5).apply({}, x, deterministic=False, rngs=rngs)) == 0.0)
+    with pytest.raises(ValueError, match="deterministic"):  # both: ambiguous, as in Flax
+        Dropout(0.5, deterministic=False).apply({}, x, deterministic=True, rngs=rngs)
     assert Dropout(0.001).apply({}, x, rngs=rngs) is x  # 0.256 of a level rounds to 0
     assert Dropout(0.001).apply({}, x) is x  # and takes no random key
     assert np.any(np.asarray(Dropout(0.5).apply({}, x, rngs=rngs)) == 0.0)

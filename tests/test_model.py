@@ -234,6 +234,22 @@ def test_a_mask_without_four_axes_is_an_error_not_read_on_the_wrong_axes():
     assert (np.asarray(weights[0, :, :, 3:]) == 0).all() and (weights[1] > 0).all()
 
 
+def test_inputs_of_another_rank_are_errors_that_name_the_argument_and_its_layout():
+    # A forgotten batch axis failed in einsum ("subscript 'bqhd' does not contain the
+    # correct number of indices"), or in indexing, naming neither the call nor the layout.
+    x = jnp.ones((2, 5, 8))
+    with pytest.raises(ValueError, match=r"q_BQHD must have 4 axes \[batch, len, heads, d_head"):
+        scaled_dot_product_attention(x, x, x)
+    layer = MultiHeadAttention(_config())
+    params = layer.init(jax.random.key(0), jnp.ones((1, 5, 32)))
+    with pytest.raises(ValueError, match=r"inputs_q_BQD must have 3 axes .* got shape \(5, 32\)"):
+        layer.apply(params, jnp.ones((5, 32)))
+    with pytest.raises(ValueError, match=r"inputs_kv_BKD must have 3 axes"):
+        layer.apply(params, jnp.ones((1, 5, 32)), jnp.ones((5, 32)))
+    with pytest.raises(ValueError, match=r"tokens_BL must be \[batch, len\], got shape \(3,\)"):
+        padding_mask(jnp.array([5, 6, 0]), 0)
+
+
 def test_a_decode_step_without_the_init_cache_collection_is_an_error():
     # It created a fresh cache at position 0: the first step was right and every later
     # one wrong, with no error.

@@ -49,6 +49,11 @@ def scaled_dot_product_attention(
        weights [batch, heads, q_len, kv_len] in float32, rows summing to 1
        over unmasked keys, or to 0 where every key is masked).
     """
+    for name, x in (("q_BQHD", q_BQHD), ("k_BKHD", k_BKHD), ("v_BKHD", v_BKHD)):
+        if jnp.ndim(x) != 4:  # else einsum's "subscript 'bqhd'" error, deep in a layer
+            raise ValueError(
+                f"{name} must have 4 axes [batch, len, heads, d_head], got shape {jnp.shape(x)}"
+            )
     if mask is not None and jnp.result_type(mask) != jnp.bool_:
         raise TypeError(
             f"mask must be boolean (True where a query may attend), got {jnp.result_type(mask)}: "
@@ -179,6 +184,11 @@ class MultiHeadAttention(nn.Module):
         Returns:
           [batch, q_len, d_model].
         """
+        for name, x in (("inputs_q_BQD", inputs_q_BQD), ("inputs_kv_BKD", inputs_kv_BKD)):
+            if x is not None and jnp.ndim(x) != 3:
+                raise ValueError(
+                    f"{name} must have 3 axes [batch, len, d_model], got shape {jnp.shape(x)}"
+                )
         cfg = self.config
         dtype = cfg.compute_dtype
         dot_general = partial(dense_dot_general, operand_dtype=cfg.matmul_operand_dtype)

@@ -68,16 +68,21 @@ def dropout(x: jax.Array, rate: float, rng: jax.Array) -> jax.Array:
 class Dropout(nn.Module):
     """`flax.linen.Dropout`'s interface (rate, deterministic; the "dropout" RNG) over `dropout`.
 
+    `deterministic` is given as an attribute or in the call, as for Flax's (not both);
+    given in neither, the input is dropped (where Flax's raises).
+
     Attributes:
       rate: drop probability (rounded to a multiple of 1/256).
       deterministic: True passes the input through unchanged.
     """
 
     rate: float
-    deterministic: bool = False
+    deterministic: bool | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        if self.deterministic or quantized_rate(self.rate) == 0.0:
+    def __call__(self, x: jax.Array, deterministic: bool | None = None) -> jax.Array:
+        if self.deterministic is not None or deterministic is not None:
+            deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+        if deterministic or quantized_rate(self.rate) == 0.0:
             return x
         return dropout(x, self.rate, self.make_rng("dropout"))

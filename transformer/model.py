@@ -46,6 +46,8 @@ def sinusoidal_positional_encoding(length: int, d_model: int) -> jax.Array:
 
 def padding_mask(tokens_BL: jax.Array, pad_id: int) -> jax.Array:
     """Boolean key mask [batch, 1, 1, len]: True on real (non-padding) tokens."""
+    if jnp.ndim(tokens_BL) != 2:
+        raise ValueError(f"tokens_BL must be [batch, len], got shape {jnp.shape(tokens_BL)}")
     return (tokens_BL != pad_id)[:, None, None, :]
 
 
