@@ -10,17 +10,17 @@ Layout of a workdir::
     workdir/events.out.tfevents.*   TensorBoard
 
 A checkpoint at step N holds the state after N optimizer updates: the float32
-parameters, the optimizer state, and a JSON "meta" item (step, RNG key, data
-iterator position). Checkpoints that were scored on the validation set carry an
-Orbax metric `val_bleu`; the manager keeps the last `keep` checkpoints plus the
-one with the best `val_bleu`. A checkpoint a stop saved between the scheduled ones carries
-the metric `interim`: it counts toward none of the `keep`, so a stop deletes no scheduled
-checkpoint, and the next scheduled save deletes it, so a resumed run keeps the checkpoints
-an uninterrupted one keeps. Orbax writes each step to a temporary directory
-and renames it when complete, so a killed process never leaves a step directory
-that looks finished but is not. A finished one that was damaged later is renamed
-to `<step>.damaged` when a resume skips it, so that the step is trained and saved
-again (and the damaged files are kept for a look).
+parameters, the optimizer state, and a JSON "meta" item (step, RNG key, data iterator
+position). Checkpoints that were scored on the validation set carry an Orbax metric
+`val_bleu`; the manager keeps the last `keep` checkpoints plus the one with the best
+`val_bleu`. A checkpoint a stop saved between the scheduled ones carries the metric
+`interim`: it counts toward none of the `keep`, so a stop deletes no scheduled
+checkpoint, and the next scheduled save deletes it, so a resumed run keeps the
+checkpoints an uninterrupted one keeps. Orbax writes each step to a temporary directory
+and renames it when complete, so a killed process never leaves a step directory that
+looks finished but is not. A finished one that was damaged later is renamed to
+`<step>.damaged` when a resume skips it, so that the step is trained and saved again
+(and the damaged files are kept for a look).
 """
 
 from __future__ import annotations
@@ -433,7 +433,7 @@ class _KeptCheckpoints:
         scheduled = sorted(step for step, m in steps if INTERIM_METRIC not in m)
         latest = set(scheduled[-self.keep :])
         newest = scheduled[-1] if scheduled else -1
-        scored = [(m[BEST_METRIC], step) for step, m in steps if BEST_METRIC in m]
+        scored = [(float(m[BEST_METRIC]), step) for step, m in steps if BEST_METRIC in m]
         best = max(scored)[1] if scored else None
         return [step in latest or step > newest or step == best for step, _ in steps]
 
