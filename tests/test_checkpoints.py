@@ -554,6 +554,23 @@ def test_an_average_past_the_kept_last_checkpoints_is_refused(tmp_path, params):
     )
 
 
+def test_an_average_may_take_a_stops_checkpoint_with_the_kept_last_ones(tmp_path, params):
+    # keep 2 and a stop's checkpoint after them: 4, 6 and 7 are one stretch of the run.
+    # It was refused as "its last 2 (6, 7), and 2, 4 only as its best".
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model": {}, "train": {"keep_checkpoints": 2}})
+    )
+    with Checkpoints(tmp_path, keep=2) as ckpts:
+        ckpts.save(2, params, _OPT, {}, val_bleu=30.0)
+        for step in (4, 6):
+            ckpts.save(step, _shifted(params, step), _OPT, {})
+        ckpts.save(7, _shifted(params, 7), _OPT, {}, interim=True)
+    assert checkpoint_steps(tmp_path) == [2, 4, 6, 7]
+    assert restore_last(tmp_path, 3)[1] == [4, 6, 7]
+    with pytest.raises(CheckpointError, match=r"last 3 \(4, 6, 7\), and 2 only as its best; av"):
+        restore_last(tmp_path, 4)
+
+
 def test_an_average_past_a_single_kept_checkpoint_is_refused(tmp_path, params):
     # keep 1: "--average-last 2" would average the best, step 2, with the newest.
     (tmp_path / "config.json").write_text(

@@ -1102,14 +1102,16 @@ def restore_last(
             keep = kept_last(load_run_config(workdir))
         except CheckpointError:  # no config.json: the checkpoints alone are averaged
             keep = None
-        if keep is not None and keep < k and len(steps) > keep:
-            # The run keeps its last `keep` and its best: an older one is that best, and
-            # with it the average would reach back past the checkpoints deleted between.
-            older = ", ".join(map(str, steps[:-keep]))
+        # The run keeps its last `keep` scheduled checkpoints (and a stop's after them) and
+        # its best: an older one is that best, and with it the average would reach back
+        # past the checkpoints deleted between.
+        kept = _kept_last_steps(ckpts, steps, keep)
+        if k > len(kept):
+            older = ", ".join(str(s) for s in steps if s < kept[0])
             raise CheckpointError(
                 f"cannot average the last {k} checkpoints of {workdir}: the run keeps its "
-                f"last {keep} ({', '.join(map(str, steps[-keep:]))}), and {older} only as "
-                f"its best; average at most {keep}, or evaluate the best with --checkpoint best"
+                f"last {len(kept)} ({', '.join(map(str, kept))}), and {older} only as its "
+                f"best; average at most {len(kept)}, or evaluate the best with --checkpoint best"
             )
         chosen = steps[-k:]
         try:
@@ -1130,6 +1132,15 @@ def restore_last(
                 "another model); evaluate them one by one with --checkpoint STEP"
             )
     return trees, chosen
+
+
+def _kept_last_steps(ckpts: Checkpoints, steps: list[int], keep: int | None) -> list[int]:
+    """The steps from the run's `keep`-th newest scheduled checkpoint on (a stop's after it
+    among them): those an average may take; all of `steps` where `keep` is None."""
+    scheduled = [s for s in steps if INTERIM_METRIC not in (ckpts.metrics(s) or {})]
+    if keep is None or len(scheduled) <= keep:
+        return steps
+    return [s for s in steps if s >= scheduled[-keep]]
 
 
 def kept_last(config: dict[str, Any]) -> int | None:
