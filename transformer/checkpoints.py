@@ -429,13 +429,24 @@ class _KeptCheckpoints:
 
     def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
         del context
-        steps = [(info.step, info.metrics or {}) for info in checkpoints]
-        scheduled = sorted(step for step, m in steps if INTERIM_METRIC not in m)
-        latest = set(scheduled[-self.keep :])
-        newest = scheduled[-1] if scheduled else -1
+        steps = sorted(((i.step, i.metrics or {}) for i in checkpoints), key=lambda s: s[0])
+        last = set(_kept_last(steps, self.keep))
         scored = [(float(m[BEST_METRIC]), step) for step, m in steps if BEST_METRIC in m]
         best = max(scored)[1] if scored else None
-        return [step in latest or step > newest or step == best for step, _ in steps]
+        return [info.step in last or info.step == best for info in checkpoints]
+
+
+def _kept_last(steps: Sequence[tuple[int, dict[str, Any]]], keep: int) -> list[int]:
+    """The steps a run keeps as its last ones: its last `keep` checkpoints saved on the
+    schedule and any a stop saved after the newest of them.
+
+    Args:
+      steps: (step, metrics) of each checkpoint, ascending.
+      keep: the run's `keep`.
+    """
+    scheduled = [step for step, m in steps if INTERIM_METRIC not in m]
+    latest, newest = set(scheduled[-keep:]), scheduled[-1] if scheduled else -1
+    return [step for step, _ in steps if step in latest or step > newest]
 
 
 def tree_shapes(tree: PyTree) -> dict[str, tuple[int, ...]]:
@@ -1105,7 +1116,9 @@ def restore_last(
         # The run keeps its last `keep` scheduled checkpoints (and a stop's after them) and
         # its best: an older one is that best, and with it the average would reach back
         # past the checkpoints deleted between.
-        kept = _kept_last_steps(ckpts, steps, keep)
+        kept = steps
+        if keep is not None:
+            kept = _kept_last([(step, ckpts.metrics(step) or {}) for step in steps], keep)
         if k > len(kept):
             older = ", ".join(str(s) for s in steps if s < kept[0])
             raise CheckpointError(
@@ -1132,15 +1145,6 @@ def restore_last(
                 "another model); evaluate them one by one with --checkpoint STEP"
             )
     return trees, chosen
-
-
-def _kept_last_steps(ckpts: Checkpoints, steps: list[int], keep: int | None) -> list[int]:
-    """The steps from the run's `keep`-th newest scheduled checkpoint on (a stop's after it
-    among them): those an average may take; all of `steps` where `keep` is None."""
-    scheduled = [s for s in steps if INTERIM_METRIC not in (ckpts.metrics(s) or {})]
-    if keep is None or len(scheduled) <= keep:
-        return steps
-    return [s for s in steps if s >= scheduled[-keep]]
 
 
 def kept_last(config: dict[str, Any]) -> int | None:
