@@ -57,7 +57,13 @@ from data import CorpusSpec, DataError, decode_lines, load_corpus, read_aligned_
 from data.batching import inference_length
 from data.errors import os_error_line, out_of_memory_line
 from data.text import is_written_in_place, write_text_atomically
-from transformer.checkpoints import CONFIG_FILE, CheckpointError, is_run_file, load_run_config
+from transformer.checkpoints import (
+    CONFIG_FILE,
+    CheckpointError,
+    is_run_file,
+    load_run_config,
+    silence_orbax_logs,
+)
 from transformer.compilation_cache import (
     EMPTY_CACHE_FLAG,
     exit_process,
@@ -501,6 +507,7 @@ def main(
 ) -> int:
     """The command line; `load` gives the parameters to decode with (benchmarks/soup.py's own)."""
     args = parse_args(argv)
+    silence_orbax_logs()  # a damaged checkpoint is one warning line, not asyncio's dozens
     with (
         persistent_compilation_cache(args.compilation_cache, enabled=not args.no_compilation_cache),
         _recorded_interrupts() as interrupted,

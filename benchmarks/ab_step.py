@@ -131,13 +131,18 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         help="vocabulary size [the checkout's train.py default]",
     )
-    parser.add_argument("--rows", type=int, default=64, help="sentences per step")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        help="sentences per step [as many as train.py's default token budget holds at "
+        "--length, rounded down to a multiple of the local devices: 64 at 16]",
+    )
     parser.add_argument("--length", type=int, default=16, help="source and target tokens")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
     args = parser.parse_args(argv)
     for name in ("rounds", "rows", "length"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
     if args.warmup < 0:
         parser.error("--warmup cannot be negative (the first step, compiling, is never timed)")
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         train_speed = importlib.import_module("benchmarks.train_speed")
         train_speed.check_preset_names(parser, "--preset", [args.preset])
         train_speed.check_step_shape_arguments(parser, args)
-        train_speed.step_rows(parser, args.rows, args.length, args.length)
+        args.rows = train_speed.step_rows(parser, args.rows, args.length, args.length)
 
     with tempfile.TemporaryDirectory() as tmp:
         # Both exported first, so that a bad revision fails before anything is compiled.

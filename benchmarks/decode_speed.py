@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 import data  # noqa: E402
 from transformer import Transformer, TransformerConfig  # noqa: E402
-from transformer.checkpoints import CheckpointError  # noqa: E402
+from transformer.checkpoints import CheckpointError, silence_orbax_logs  # noqa: E402
 from transformer.decoding import beam_search, greedy_search  # noqa: E402
 from transformer.translate import (  # noqa: E402
     decoding_batches,
@@ -145,6 +145,7 @@ def _sources(spec: data.CorpusSpec, args: argparse.Namespace) -> list[str]:
 def time_modes(args: argparse.Namespace) -> int:
     """Times every mode of `args` and prints the table; returns the exit status."""
     if args.workdir:
+        silence_orbax_logs()  # a damaged checkpoint is one warning line, as in evaluate.py
         run = load_run(args.workdir, checkpoint="best")  # as its recorded figures were timed
         model, params, tokenizer = run.model, run.params, run.tokenizer
         spec = data.CorpusSpec.from_settings(run.config["data"])

@@ -555,7 +555,12 @@ class TokenBatcher:
 
     def state(self) -> dict:
         """JSON-serializable position of the iterator; see :meth:`restore`."""
-        return {"position": self._position, "seed": self.seed, "fingerprint": self._fingerprint}
+        return {
+            "position": self._position,
+            "seed": self.seed,
+            "fingerprint": self._fingerprint,
+            "devices": self.num_devices * self.process_count,
+        }
 
     def restore(self, state: dict) -> None:
         """Continues from a saved :meth:`state`: the next batch is the one that came next then.
@@ -574,6 +579,8 @@ class TokenBatcher:
             )
         except (KeyError, TypeError, ValueError):
             raise DataError(f"not a TokenBatcher state: {state!r}") from None
+        if fingerprint != self._fingerprint:
+            self._check_devices(state.get("devices"))  # None in a state saved before 2026-12-07
         if fingerprint != self._fingerprint or seed != self.seed:
             raise DataError(
                 "cannot resume the data iterator: the training data, tokenizer, max_len, "
@@ -581,6 +588,32 @@ class TokenBatcher:
                 "resume with the same settings or start a new --workdir"
             )
         self._position = position
+
+    def _check_devices(self, saved: object) -> None:
+        """A DataError naming the device counts to resume on, where the state's global
+        device count made batches of other rows than this one's does: rows are a multiple
+        of lcm(8, devices), so 1, 2, 4 and 8 devices share their batches, 3 does not.
+        Called where the batches differ, so that it names the cause."""
+        if not isinstance(saved, int) or saved < 1:
+            return
+        then, now = math.lcm(ROW_MULTIPLE, saved), self._row_multiple
+        if then == now:
+            return
+        counts = [
+            n for n in range(1, then + 1) if then % n == 0 and math.lcm(ROW_MULTIPLE, n) == then
+        ]
+        choices = (
+            ", ".join(map(str, counts[:-1])) + f" or {counts[-1]}"
+            if len(counts) > 1
+            else str(counts[0])
+        )
+        here = _devices(self.num_devices * self.process_count)
+        raise DataError(
+            f"cannot resume the data iterator on {here}: "
+            f"the checkpoint's batches were made for {_devices(saved)}, with rows a multiple of "
+            f"{then}, and here their rows would be a multiple of {now}, so other batches; resume "
+            f"on {choices} devices in all, or start a new --workdir"
+        )
 
     # --- Statistics. ---
 
@@ -677,3 +710,7 @@ def inference_batches(
             src[row, : lengths[i]] = token_lists[i]
         yield indices, src
         start = same
+
+
+def _devices(n: int) -> str:
+    return f"{n} device" if n == 1 else f"{n} devices"

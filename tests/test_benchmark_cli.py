@@ -1,5 +1,6 @@
 """The benchmark scripts reject bad flags up front, with one `error:` line, before timing."""
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -23,6 +24,19 @@ def usage_error(main, argv, capsys) -> str:
 def in_git_checkout() -> bool:
     head = ["git", "-C", str(ab_step.REPO), "rev-parse", "HEAD"]
     return subprocess.run(head, capture_output=True, check=False).returncode == 0
+
+
+@pytest.fixture
+def ab_step_keeps_malloc_as_it_is(monkeypatch):
+    """ab_step.main imports this repository's modules afresh, so it calls the real
+    keep_freed_host_memory, not conftest's stand-in; its mallopt calls are skipped here,
+    since one heap for good would slow every later compile of this test process."""
+
+    class Libc:
+        def mallopt(self, param, value):
+            return 0
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda *args, **kwargs: Libc())
 
 
 @pytest.mark.skipif(not in_git_checkout(), reason="needs the git checkout's history")
@@ -130,7 +144,9 @@ def test_ab_step_names_a_revision_git_does_not_know_and_exits_2(tmp_path, capsys
         (profile_step.main, ["--top", "-1"], "--top must be at least 1"),
     ],
 )
-def test_sizes_a_step_benchmark_cannot_run_with_are_usage_errors(capsys, main, argv, message):
+def test_sizes_a_step_benchmark_cannot_run_with_are_usage_errors(
+    capsys, main, argv, message, ab_step_keeps_malloc_as_it_is
+):
     # Each was a traceback after compiling (or a silently wrong figure: --warmup -1 timed
     # the compile as a step).
     assert message in usage_error(main, argv, capsys)
@@ -171,8 +187,38 @@ def test_train_speed_checks_the_data_folder_before_timing(tmp_path, capsys):
     assert "error: --data-dir: no split 'train'" in line
 
 
+def test_ab_step_rounds_its_default_rows_down_to_the_devices(
+    monkeypatch, capsys, ab_step_keeps_malloc_as_it_is
+):
+    # On 3 devices it stopped with "--rows 64 is not a multiple of the 3 local devices"
+    # though no --rows was given; train_speed.py and profile_step.py round theirs down.
+    import jax
+
+    class Built(Exception):
+        pass
+
+    built = []
+
+    def build_step(folder, preset, vocab_size, rows, length, warmup):
+        built.append(rows)
+        raise Built
+
+    monkeypatch.setattr(jax, "local_device_count", lambda *args, **kwargs: 3)
+    monkeypatch.setattr(ab_step, "build_step", build_step)
+    worktree = [ab_step.WORKTREE, ab_step.WORKTREE, "--preset", "tiny"]
+    for extra, rows in (([], 63), (["--length", "31"], 33), (["--rows", "6"], 6)):
+        with pytest.raises(Built):
+            ab_step.main([*worktree, *extra])
+        assert built.pop() == rows  # 2048 // 32 = 64 rows, so 63; 2048 // 62 = 33
+    assert usage_error(ab_step.main, [*worktree, "--rows", "8"], capsys).endswith(
+        "error: --rows 8 is not a multiple of the 3 local devices, which share it"
+    )
+
+
 @pytest.mark.skipif(not in_git_checkout(), reason="needs the git checkout's history")
-def test_ab_step_refuses_a_revision_without_the_step_benchmark(capsys):
+def test_ab_step_refuses_a_revision_without_the_step_benchmark(
+    capsys, ab_step_keeps_malloc_as_it_is
+):
     first = subprocess.run(
         ["git", "-C", str(ab_step.REPO), "rev-list", "--max-parents=0", "HEAD"],
         capture_output=True,

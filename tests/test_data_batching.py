@@ -402,6 +402,36 @@ def test_global_batch_is_independent_of_device_and_host_count(small, multi30k_to
             assert all(np.array_equal(want[k], got[k]) for k in want)
 
 
+def test_a_resume_on_a_device_count_of_other_batches_names_the_counts_to_use(
+    small, multi30k_tokenizer
+):
+    # Rows are a multiple of lcm(8, devices): a run of 1 device resumes on 2 (the same
+    # batches, above), not on 3 or 2 hosts of 3, and the refusal says so instead of
+    # listing every setting the batches hang on.
+    tok = multi30k_tokenizer
+    one = batcher(small, tok, max_tokens=512)
+    next(one)
+    state = json.loads(json.dumps(one.state()))
+    two = batcher(small, tok, max_tokens=512, num_devices=2)
+    two.restore(state)
+    assert two.position == 1
+    for hosts, devices in ((1, 3), (2, 3)):
+        with pytest.raises(data.DataError) as refused:
+            host_batchers(small, tok, devices, hosts, max_tokens=512)[0].restore(state)
+        assert str(refused.value) == (
+            f"cannot resume the data iterator on {hosts * devices} devices: the checkpoint's "
+            "batches were made for 1 device, with rows a multiple of 8, and here their rows "
+            "would be a multiple of 24, so other batches; resume on 1, 2, 4 or 8 devices in "
+            "all, or start a new --workdir"
+        )
+    state = json.loads(json.dumps(batcher(small, tok, max_tokens=512, num_devices=3).state()))
+    with pytest.raises(data.DataError, match="resume on 3, 6, 12 or 24 devices in all"):
+        one.restore(state)
+    del state["devices"]  # a checkpoint from before the state kept its device count
+    with pytest.raises(data.DataError, match="seed or device count changed"):
+        one.restore(state)
+
+
 def test_array_shapes_names_the_shape_of_every_batch_a_host_gets(small, multi30k_tokenizer):
     # What train.py compiles ahead on an accelerator: a batch of a shape not listed would
     # be compiled again when it comes.

@@ -893,6 +893,15 @@ def test_the_best_checkpoint_is_named_as_the_best_until_it_is_damaged(workdir, t
     )
 
 
+def test_evaluate_py_drops_orbaxs_log_records_as_train_py_does(monkeypatch, tmp_path, capsys):
+    # A damaged checkpoint it skips is its one warning line, not asyncio's dozens besides
+    # (tests/test_checkpoints.py checks the filter on those records).
+    silenced = []
+    monkeypatch.setattr(evaluate, "silence_orbax_logs", lambda: silenced.append(True))
+    code, _, err = _run(["--workdir", tmp_path / "none", "--split", "val"], capsys)
+    assert code == 2 and err.startswith("error: ") and silenced == [True]
+
+
 def _leaf_means(steps, workdir):
     """The elementwise float64 mean of the parameters of `steps`, leaf by leaf."""
     trees = [checkpoints.restore_params(workdir, step)[0] for step in steps]
