@@ -231,7 +231,10 @@ def test_files_source_any_language_pair(multi30k_slice):
     corpus = data.load_corpus(
         data.CorpusSpec(dataset="files", data_dir=str(d), src="fr", tgt="cs"), "val"
     )
-    assert corpus.src[0] == data.normalize(data.read_lines(d / "val.fr")[0])
+    fr, cs = data.read_lines(d / "val.fr"), data.read_lines(d / "val.cs")
+    assert corpus.src == [data.normalize(line) for line in fr]
+    assert corpus.tgt == [data.normalize(line) for line in cs]  # the target, not German
+    assert (corpus.src_path, corpus.tgt_path) == (str(d / "val.fr"), str(d / "val.cs"))
     assert corpus.summary.name == "val fr-cs"
 
 

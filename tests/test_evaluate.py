@@ -197,7 +197,13 @@ def test_average_last_and_src_file(workdir, tmp_path, capsys):
     assert code == 0, err
     assert "average of steps 300, 400;" in err
     assert "BLEU" not in out  # nothing to score without --ref-file
-    assert len(hyp.read_text(encoding="utf-8").splitlines()) == 2
+    # The file holds the averaged parameters' greedy translations of the file's lines.
+    run = translate.load_run(workdir, average_last=2)
+    expected = translate.translate(
+        run.model, run.params, run.tokenizer, ["A man rides a bike.", "A woman sings."],
+        greedy=True, max_extra_len=4,
+    )  # fmt: skip
+    assert hyp.read_text(encoding="utf-8").splitlines() == expected
     code, _, err = _run([*argv, "--checkpoint", "best"], capsys)
     # No step was scored, so "best" is the newest, and the header says so (it said "best").
     assert code == 0 and "step 400 (the newest: no checkpoint has a validation BLEU);" in err

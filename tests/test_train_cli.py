@@ -747,6 +747,11 @@ def test_check_finite_loss():
     training.check_finite_loss(3, 1.5)
     with pytest.raises(NonFiniteLossError, match="inf at step 9"):
         training.check_finite_loss(9, float("inf"))
+    # NaN compares unequal to everything: a check such as `loss > 1e30` would let it by.
+    with pytest.raises(NonFiniteLossError, match="^training loss is nan at step 4; "):
+        training.check_finite_loss(4, float("nan"))
+    with pytest.raises(NonFiniteLossError, match="-inf at step 2"):
+        training.check_finite_loss(2, float("-inf"))
 
 
 def _cli(*args, timeout=120, **kwargs):

@@ -14,13 +14,14 @@ import pytest
 
 import data
 from tests.make_tiny_workdir import damage_checkpoint
-from transformer import Transformer, TransformerConfig
+from transformer import Transformer, TransformerConfig, training
 from transformer.checkpoints import checkpoint_steps, restore_params
 from transformer.training import (
     MetricsLog,
     NonFiniteLossError,
     TrainConfig,
     Trainer,
+    ValidationData,
     create_train_state,
     evaluate_loss,
     label_smoothed_cross_entropy,
@@ -134,12 +135,6 @@ def test_sqrt_cooldown_falls_as_one_minus_the_root_of_its_progress():
         )
     with pytest.raises(ValueError, match="cooldown_shape"):
         TrainConfig(steps=10, cooldown_shape="cosine")
-
-
-def test_validation_can_be_turned_off_and_bleu_scored_on_every_line():
-    config = TrainConfig(steps=10, eval_every=0, bleu_every=0, bleu_max_sentences=None)
-    assert (config.eval_every, config.bleu_every, config.bleu_max_sentences) == (0, 0, None)
-    assert TrainConfig(steps=10, bleu_max_sentences=1, bleu_max_tokens=1).bleu_max_sentences == 1
 
 
 @pytest.mark.parametrize(
@@ -461,6 +456,45 @@ def test_validation_of_a_model_with_dropout_is_without_it(tiny_setup):
     logits = jax.jit(model.apply)({"params": params}, src, tgt_in)
     nll_sum, n = label_smoothed_cross_entropy(logits, tgt_out, tokenizer.pad_id, 0.0)
     assert val["val_nll"] == pytest.approx(float(nll_sum) / int(n), rel=1e-5)
+
+
+def test_validation_can_be_turned_off_and_bleu_scored_on_every_line(
+    tiny_setup, tmp_path, monkeypatch
+):
+    # eval_every=0 and bleu_every=0 validate never, though validation data is given; and
+    # bleu_max_sentences=None scores every validation line, a number N the first N.
+    tokenizer, encoded, model_config = tiny_setup
+    config = TrainConfig(steps=8, log_every=4, eval_every=0, checkpoint_every=8, **_RECIPE)
+    assert config.bleu_every == 0 and config.bleu_max_sentences is None
+    trainer = Trainer(model_config, config, tmp_path, pad_id=tokenizer.pad_id, progress=False)
+    batcher = _batcher(tokenizer, encoded)
+    trainer.restore_or_init(batcher)
+    trainer.open_metrics()
+    sources = [f"source {i}" for i in range(11)]  # more than a default N would keep
+    validation = ValidationData(
+        batches=lambda: [next(iter(_batcher(tokenizer, encoded)))],
+        sources=sources,
+        references=[f"reference {i}" for i in range(11)],
+        tokenizer=tokenizer,
+    )
+    trainer.run(with_data_state(batcher), config.steps, validation)
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [4, 8]
+    assert not any(key.startswith("val_") for r in records for key in r)
+
+    scored = []
+
+    def fake_bleu(model, params, tokenizer, sources, references, *, max_tokens):
+        scored.append((list(sources), list(references)))
+        return 12.5
+
+    monkeypatch.setattr(training, "evaluate_bleu", fake_bleu)
+    assert trainer.validate(validation, bleu=True)["val_bleu"] == 12.5
+    trainer.config = dataclasses.replace(config, bleu_max_sentences=3)
+    trainer.validate(validation, bleu=True)
+    trainer.close()
+    assert scored[0] == (sources, [f"reference {i}" for i in range(11)])
+    assert scored[1] == (sources[:3], [f"reference {i}" for i in range(3)])
 
 
 def test_a_tiny_set_can_be_overfit(tiny_setup, tmp_path):
