@@ -68,6 +68,12 @@ def full_optimization():
 
     before = jax.config.values["jax_disable_most_optimizations"]
     jax.config.update("jax_disable_most_optimizations", False)
+    # The setting is not part of the key of JAX's in-memory program caches, so a function
+    # that an earlier test compiled with the same shapes would come back unoptimized. The
+    # tests that use this fixture compile programs that no other test compiles at their
+    # shapes (a review checked, 2026-12-07). Clearing the caches here instead made the three
+    # modules that use it take about 40 s more than their 95 s (test_decoding.py's later
+    # tests compiled their programs again).
     yield
     jax.config.update("jax_disable_most_optimizations", before)
 
