@@ -200,7 +200,7 @@ def test_average_last_and_src_file(workdir, tmp_path, capsys):
     # The file holds the averaged parameters' greedy translations of the file's lines.
     run = translate.load_run(workdir, average_last=2)
     expected = translate.translate(
-        run.model, run.params, run.tokenizer, ["A man rides a bike.", "A woman sings."],
+        run.model, run.params, run.tokenizer, src.read_text(encoding="utf-8").splitlines(),
         greedy=True, max_extra_len=4,
     )  # fmt: skip
     assert hyp.read_text(encoding="utf-8").splitlines() == expected
