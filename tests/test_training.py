@@ -463,18 +463,16 @@ def test_validation_can_be_turned_off_and_bleu_scored_on_every_line(
 ):
     # eval_every=0 and bleu_every=0 validate never, though validation data is given; and
     # bleu_max_sentences=None scores every validation line, a number N the first N.
-    tokenizer, encoded, model_config = tiny_setup
-    config = TrainConfig(steps=8, log_every=4, eval_every=0, checkpoint_every=8, **_RECIPE)
+    tokenizer, encoded, _ = tiny_setup
+    trainer, batcher = _eight_step_trainer(tiny_setup, tmp_path)
+    config = trainer.config
     assert config.bleu_every == 0 and config.bleu_max_sentences is None
-    trainer = Trainer(model_config, config, tmp_path, pad_id=tokenizer.pad_id, progress=False)
-    batcher = _batcher(tokenizer, encoded)
-    trainer.restore_or_init(batcher)
-    trainer.open_metrics()
     sources = [f"source {i}" for i in range(11)]  # more than a default N would keep
+    references = [f"reference {i}" for i in range(11)]
     validation = ValidationData(
         batches=lambda: [next(iter(_batcher(tokenizer, encoded)))],
         sources=sources,
-        references=[f"reference {i}" for i in range(11)],
+        references=references,
         tokenizer=tokenizer,
     )
     trainer.run(with_data_state(batcher), config.steps, validation)
@@ -485,16 +483,17 @@ def test_validation_can_be_turned_off_and_bleu_scored_on_every_line(
     scored = []
 
     def fake_bleu(model, params, tokenizer, sources, references, *, max_tokens):
-        scored.append((list(sources), list(references)))
+        scored.append((list(sources), list(references), max_tokens))
         return 12.5
 
     monkeypatch.setattr(training, "evaluate_bleu", fake_bleu)
     assert trainer.validate(validation, bleu=True)["val_bleu"] == 12.5
-    trainer.config = dataclasses.replace(config, bleu_max_sentences=3)
+    # The smallest N and token budget there are.
+    trainer.config = dataclasses.replace(config, bleu_max_sentences=1, bleu_max_tokens=1)
     trainer.validate(validation, bleu=True)
     trainer.close()
-    assert scored[0] == (sources, [f"reference {i}" for i in range(11)])
-    assert scored[1] == (sources[:3], [f"reference {i}" for i in range(3)])
+    assert scored[0] == (sources, references, config.bleu_max_tokens)
+    assert scored[1] == (sources[:1], references[:1], 1)
 
 
 def test_a_tiny_set_can_be_overfit(tiny_setup, tmp_path):
