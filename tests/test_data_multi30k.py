@@ -5,6 +5,7 @@ import gzip
 import http.client
 import io
 import os
+import pathlib
 import stat
 import urllib.error
 
@@ -51,10 +52,15 @@ def test_checksums_are_those_of_the_local_copies(multi30k_dir):
     assert len(multi30k.SHA256) == 3 * 4
 
 
-def test_download_verifies_and_caches(multi30k_dir, cache, monkeypatch):
+def test_download_verifies_and_caches(multi30k_dir, cache, monkeypatch, capsys):
     opener = FakeOpener(upstream(multi30k_dir, "test2016"))
     monkeypatch.setattr(multi30k, "urlopen", opener)
     corpus = data.load_corpus(data.CorpusSpec(), "test2016")
+    # A download of a minute or more says what it is doing, once per file.
+    assert capsys.readouterr().err.splitlines() == [
+        f"downloading Multi30k test2016.en into {cache}",
+        f"downloading Multi30k test2016.de into {cache}",
+    ]
     assert opener.urls == [
         "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/test_2016_flickr.en.gz",
         "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/test_2016_flickr.de.gz",
@@ -72,6 +78,7 @@ def test_download_verifies_and_caches(multi30k_dir, cache, monkeypatch):
     assert corpus.tgt_path == str(cache / "test2016.de")
     data.load_corpus(data.CorpusSpec(), "test2016")
     assert len(opener.urls) == 2  # second use: from the cache
+    assert capsys.readouterr().err == ""
     # A stalled connection ends in the offline advice, not a train.py that hangs for ever.
     assert opener.timeouts == [multi30k.TIMEOUT_S] * 2 and 0 < multi30k.TIMEOUT_S <= 300
 
@@ -99,6 +106,31 @@ def test_a_folder_in_the_place_of_a_download_is_named(multi30k_dir, cache, monke
         "remove what is there and run the same command again"
     )
     assert [p.name for p in cache.iterdir()] == ["val.en"]  # no temporary file is left
+
+
+def test_a_download_interrupted_by_ctrl_c_leaves_no_file(multi30k_dir, cache, monkeypatch):
+    in_cache_meanwhile = []
+
+    class Interrupted(io.BytesIO):
+        """A response during which the user presses Ctrl-C, after its first 2000 bytes."""
+
+        def read(self, size=-1):
+            if self.tell() >= 2000:
+                in_cache_meanwhile.extend(p.name for p in cache.iterdir())
+                raise KeyboardInterrupt
+            return super().read(2000 - self.tell() if size < 0 else min(size, 2000 - self.tell()))
+
+    def opener(url, timeout=None):
+        return Interrupted(gzip.compress((multi30k_dir / "val.en").read_bytes()))
+
+    monkeypatch.setattr(multi30k, "urlopen", opener)
+    with pytest.raises(KeyboardInterrupt):
+        data.load_corpus(data.CorpusSpec(), "val")
+    # Until it is verified, a download is a hidden temporary file beside its final name, so
+    # a process killed outright (no cleanup) leaves no val.en that a later run would trust.
+    [partial] = in_cache_meanwhile
+    assert partial.startswith(".val.en.") and partial.endswith(".part")
+    assert list(cache.iterdir()) == []  # and Ctrl-C leaves not even that
 
 
 def test_wrong_content_is_rejected_and_nothing_is_kept(multi30k_dir, cache, monkeypatch):
@@ -190,6 +222,23 @@ def test_unwritable_cache_directory_is_a_data_error(cache, monkeypatch):
     assert "$TRANSFORMER_MT_CACHE" in message
 
 
+def test_a_cache_directory_that_cannot_be_looked_into_is_a_data_error(cache, monkeypatch):
+    is_file = pathlib.Path.is_file
+
+    def look(path):  # what a parent without search permission gives (root ignores chmod)
+        if str(path).startswith(str(cache)):
+            raise PermissionError(13, "Permission denied", str(path))
+        return is_file(path)
+
+    monkeypatch.setattr(pathlib.Path, "is_file", look)
+    monkeypatch.setattr(multi30k, "urlopen", FakeOpener({}))
+    with pytest.raises(data.DataError) as e:
+        data.load_corpus(data.CorpusSpec(), "val")
+    message = str(e.value)
+    assert "\n" not in message and str(cache) in message and "Permission denied" in message
+    assert "$TRANSFORMER_MT_CACHE" in message
+
+
 @pytest.mark.parametrize("fails_at", ["write", "close"])
 def test_a_full_disk_is_named_not_blamed_on_the_network(multi30k_dir, cache, monkeypatch, fails_at):
     fdopen = multi30k.os.fdopen
@@ -238,7 +287,8 @@ def test_offline_without_cache_says_how_to_use_data_dir(cache, monkeypatch):
 
 
 def test_unknown_split_and_language(cache):
-    with pytest.raises(data.DataError, match="train, val, test2016"):
+    # A MissingSplitError, as load_corpus documents for every dataset.
+    with pytest.raises(data.MissingSplitError, match="train, val, test2016"):
         data.load_corpus(data.CorpusSpec(), "test2017")
     with pytest.raises(data.DataError, match="en, de, fr, cs"):
         data.load_corpus(data.CorpusSpec(tgt="ja"), "train")

@@ -1,5 +1,6 @@
 """The TFDS path, really exercised offline: a TFDS dataset built from a Multi30k slice."""
 
+import functools
 import socket
 import tempfile
 import time
@@ -15,6 +16,40 @@ def tfds_temporary_folders_in_tmp_path(tmp_path, monkeypatch):
     # A builder of data not yet prepared makes an empty mkdtemp("tfds") folder that TFDS
     # never removes (DatasetInfo.initialize_from_bucket): 10 a run were left in /tmp.
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
+@functools.cache
+def registered_translate_dataset() -> type:
+    """A registered TFDS translation dataset (like wmt14_translate) made of the train.*
+    and val.* files of its class attribute `folder`: TFDS names its val split validation."""
+    import tensorflow_datasets as tfds
+
+    class TinyMulti30kTranslate(tfds.core.GeneratorBasedBuilder):
+        VERSION = tfds.core.Version("1.0.0")
+        folder = None
+
+        def _info(self):
+            return tfds.core.DatasetInfo(
+                builder=self,
+                features=tfds.features.Translation(languages=["de", "en"]),
+                disable_shuffling=True,
+            )
+
+        def _split_generators(self, dl_manager):
+            return {
+                "train": self._generate_examples("train"),
+                "validation": self._generate_examples("val"),
+            }
+
+        def _generate_examples(self, split):
+            en, de = (
+                (self.folder / f"{split}.{lang}").read_text(encoding="utf-8").splitlines()
+                for lang in ("en", "de")
+            )
+            for i, (x, y) in enumerate(zip(en, de, strict=True)):
+                yield i, {"en": x, "de": y}
+
+    return TinyMulti30kTranslate
 
 
 def tfds_spec(folder, tmp_path, **kw):
@@ -34,6 +69,29 @@ def test_tfds_folder_dataset_matches_the_files(multi30k_slice, tmp_path):
     assert list((tmp_path / "tfds").glob("parallel_text_folder/*/1.0.0/*.array_record*"))
     reversed_pair = data.load_corpus(tfds_spec(folder, tmp_path, src="de", tgt="en"), "val")
     assert reversed_pair.src == via_files.tgt
+
+
+def test_a_registered_tfds_dataset_is_read_without_tensorflow(
+    multi30k_slice, tmp_path, monkeypatch
+):
+    # The path of wmt14_translate and the like, offline: --tfds-name, val found as TFDS's
+    # validation, each language in its place, prepared as ArrayRecord files, which are read
+    # without TensorFlow (TFDS's default, TFRecord, needs it to be written and read).
+    folder = multi30k_slice(n=20, splits=("train", "val"))
+    builder = registered_translate_dataset()
+    monkeypatch.setattr(builder, "folder", folder)
+    spec = data.CorpusSpec(
+        dataset="tfds", tfds_name=builder.name, tfds_data_dir=str(tmp_path / "tfds")
+    )
+    for split in ("train", "val"):
+        via_tfds = data.load_corpus(spec, split)
+        via_files = data.load_corpus(
+            spec.replace(dataset="files", tfds_name=None, data_dir=str(folder)), split
+        )
+        assert via_tfds.src == via_files.src and via_tfds.tgt == via_files.tgt
+    assert list((tmp_path / "tfds").glob(f"{builder.name}/1.0.0/*-validation.array_record*"))
+    reversed_pair = data.load_corpus(spec.replace(src="de", tgt="en"), "val")
+    assert reversed_pair.src == via_files.tgt and reversed_pair.tgt == via_files.src
 
 
 def test_tfds_errors_are_one_line(multi30k_slice, tmp_path):
@@ -76,6 +134,21 @@ def test_a_split_one_file_short_is_an_error_as_for_the_files(multi30k_slice, tmp
         assert not isinstance(e.value, data.MissingSplitError)  # not "no validation"
 
 
+def test_files_of_different_lengths_are_the_files_error_not_a_download_error(
+    multi30k_slice, tmp_path
+):
+    folder = multi30k_slice(n=20, splits=("val",))
+    lines = (folder / "val.de").read_bytes().splitlines(keepends=True)
+    (folder / "val.de").write_bytes(b"".join(lines[:-1]))
+    spec = tfds_spec(folder, tmp_path)
+    with pytest.raises(data.DataError) as via_files:
+        data.load_corpus(spec.replace(dataset="files"), "val")
+    with pytest.raises(data.DataError) as via_tfds:
+        data.load_corpus(spec, "val")
+    assert "val.en has 20 lines" in str(via_files.value) and "offline" not in str(via_tfds.value)
+    assert str(via_tfds.value) == str(via_files.value)
+
+
 def test_a_missing_wmt_split_is_reported_before_any_download(tmp_path):
     # WMT builders declare their splits before preparing; the check runs offline here, so
     # reaching the download would fail with "could not download/prepare" instead.
@@ -110,6 +183,37 @@ def test_edited_files_are_prepared_again(multi30k_slice, tmp_path):
     assert len(data.load_corpus(spec, "val").src) == 20
     multi30k_slice(n=25, splits=("val",))
     assert len(data.load_corpus(spec, "val").src) == 25
+    # A fixed translation: only the target file changes.
+    lines = (folder / "val.de").read_text(encoding="utf-8").splitlines()
+    lines[0] = "Eine korrigierte Übersetzung."
+    (folder / "val.de").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert data.load_corpus(spec, "val", clean=False).tgt[0] == "Eine korrigierte Übersetzung."
+
+
+def test_an_edit_past_the_first_megabyte_is_prepared_again(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "val.en").write_text("A long one.\nA dog.\n", encoding="utf-8")
+    long_line = "ein sehr langer Satz " * 60_000  # 1.2 MB
+    (folder / "val.de").write_text(f"{long_line}\nEin Hund.\n", encoding="utf-8")
+    spec = tfds_spec(folder, tmp_path)
+    assert data.load_corpus(spec, "val", clean=False).tgt[1] == "Ein Hund."
+    (folder / "val.de").write_text(f"{long_line}\nEine Katze.\n", encoding="utf-8")
+    assert data.load_corpus(spec, "val", clean=False).tgt[1] == "Eine Katze."
+
+
+def test_renamed_files_are_prepared_again(multi30k_slice, tmp_path):
+    # val.* renamed dev.* and back, the same lines: a copy prepared with the one split has
+    # no split by the other name, and train.py would go on without validation.
+    folder = multi30k_slice(n=20, splits=("val",))
+    spec = tfds_spec(folder, tmp_path)
+    expected = data.load_corpus(spec.replace(dataset="files"), "val")
+    for lang in ("en", "de"):
+        (folder / f"val.{lang}").rename(folder / f"dev.{lang}")
+    assert data.load_corpus(spec, "dev").tgt == expected.tgt
+    for lang in ("en", "de"):
+        (folder / f"dev.{lang}").rename(folder / f"val.{lang}")
+    assert data.load_corpus(spec, "val").tgt == expected.tgt
 
 
 def test_an_unresolvable_download_host_fails_in_seconds(tmp_path, monkeypatch):
@@ -155,6 +259,7 @@ def test_a_dns_outage_shorter_than_the_limit_is_ridden_out(monkeypatch):
     time.sleep(0.2)
     down.clear()
     assert socket.getaddrinfo("flaky.test", 80) == ["an address"]  # the outage is over
+    time.sleep(0.2)  # 0.4 s after the first failure, which the success has wiped out
     down.add("flaky.test")
     with pytest.raises(socket.gaierror):  # the clock started again at this failure
         socket.getaddrinfo("flaky.test", 80)
@@ -165,6 +270,23 @@ def test_a_dns_outage_shorter_than_the_limit_is_ridden_out(monkeypatch):
     assert socket.getaddrinfo is not resolver
     second.__exit__(None, None, None)
     assert socket.getaddrinfo is resolver
+
+
+def test_a_download_does_not_inherit_the_failures_of_an_earlier_one(monkeypatch):
+    # The train and val splits are two downloads: a host that failed to resolve in the
+    # first, and was not asked for again, gets its whole time in the second.
+    def resolver(host, *args, **kwargs):
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    monkeypatch.setattr(tfds_source, "UNRESOLVED_GIVE_UP_S", 0.1)
+    with tfds_source._no_retries_for_unresolved_hosts():
+        with pytest.raises(socket.gaierror):
+            socket.getaddrinfo("mirror.test", 80)
+    time.sleep(0.15)
+    with tfds_source._no_retries_for_unresolved_hosts():
+        with pytest.raises(socket.gaierror):  # its first failure here, not _UnresolvedHost
+            socket.getaddrinfo("mirror.test", 80)
 
 
 def test_a_folder_with_empty_files_is_no_download_error(tmp_path):
