@@ -1131,16 +1131,13 @@ def run_settings(args: argparse.Namespace, log) -> RunSettings:
         check_resume_matches(
             workdir, {"train": {"seed": saved_seed}}, "train", {"seed": train_cfg.seed}
         )
-    max_len = args.max_len or (saved["model"].get("max_len") if saved else None)
-    if max_len is None:
-        from transformer import TransformerConfig
-
-        max_len = TransformerConfig.preset(args.preset or DEFAULT_PRESET, vocab_size=1).max_len
-    data_cfg["max_len"] = max_len
     # The model flags are checked before the tokenizer is trained into the workdir, and
     # on a resume against the run's model before the data is read (the vocabulary of the
     # tokenizer against the checkpoints' once it is loaded).
     model_cfg = model_config(args, saved, data_cfg["vocab_size"], pad_id=0)
+    # The pairs kept are the model's: a --preset given where a run was started (and killed
+    # before its first checkpoint) is the model asked for, max_len included.
+    max_len = data_cfg["max_len"] = model_cfg.max_len
     if saved is not None:
         from_tokenizer = {k: v for k, v in saved["model"].items() if k in ("vocab_size", "pad_id")}
         check_resume_matches(
@@ -1349,7 +1346,9 @@ def warn_of_cpu_fallback(log) -> None:
 
 
 def _duration(seconds: float) -> str:
-    return time.strftime("%H:%M:%S", time.gmtime(seconds))
+    """HH:MM:SS, the hours not wrapped at a day (a 25-hour run is 25:00:00, not 01:00:00)."""
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60:02d}:{minutes % 60:02d}:{secs:02d}"
 
 
 OUT_OF_MEMORY_ADVICE = (

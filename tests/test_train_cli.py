@@ -30,12 +30,14 @@ import pytest
 import train
 from transformer import training
 from transformer.checkpoints import (
+    CheckpointError,
     Checkpoints,
     average_params,
     checkpoint_steps,
     load_run_config,
     restore_last,
     restore_params,
+    save_run_config,
 )
 from transformer.training import NonFiniteLossError, read_metrics
 
@@ -363,8 +365,22 @@ def test_a_run_resumes_exactly_from_its_moved_data_and_says_what_the_resume_chan
     changes = f"--steps 8 -> 16; --data-dir {data_dir} -> {moved}"
     assert f"resuming with settings other than the run's: {changes}\n" in out
     assert "resumed from step 8" in out
+    # Its own tokenizer, not one trained again on the moved files (which another
+    # sentencepiece could cut into other pieces than the checkpoint's embeddings know).
+    assert sorted(p.name for p in workdir.glob("tokenizer.model*")) == ["tokenizer.model"]
     assert load_run_config(workdir)["data"]["data_dir"] == str(moved)
     _params_equal(restore_params(workdir, "last")[0], restore_params(straight_run, "last")[0])
+
+
+def test_a_run_resumes_from_moved_tfds_data_as_from_moved_files(straight_run):
+    saved = load_run_config(straight_run)
+    tfds = {"dataset": "tfds", "data_dir": None, "tfds_name": "wmt14_translate/de-en"}
+    there = {**saved["data"], **tfds, "tfds_data_dir": "/scratch/tfds"}
+    now = {**there, "tfds_data_dir": "/data/tfds"}
+    train.check_resume_matches(straight_run, {"data": there}, "data", now)  # taken
+    resumed = train.train_config(_parse(), saved)
+    changes = train.resumed_changes({**saved, "data": there}, resumed, now)
+    assert changes == ["--tfds-data-dir /scratch/tfds -> /data/tfds"]
 
 
 def test_a_stop_between_two_log_records_resumes_to_the_same_records_and_checkpoints(
@@ -673,6 +689,41 @@ def test_resuming_with_another_seed_is_a_one_line_error_that_leaves_the_run_resu
     assert (straight_run / "config.json").read_bytes() == config
 
 
+def test_resuming_with_other_data_settings_is_an_error_before_the_data_is_read(straight_run):
+    with pytest.raises(CheckpointError, match=r"other data settings \(--vocab-size 400 there, 500"):
+        train.run_settings(_parse("--workdir", straight_run, "--vocab-size", "500"), print)
+
+
+def _without_max_len(flags):
+    i = flags.index("--max-len")
+    return flags[:i] + flags[i + 2 :]
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_again_with_the_settings_asked(
+    slice_dir, tmp_path
+):
+    # Its config.json is written as training starts: no checkpoint ties these settings, so
+    # none holds the next run back, and nothing is resumed. Its max_len was still taken:
+    # --preset tiny after a mini run trained tiny on mini's 128-token pairs and recorded
+    # both, and the plain resume was then refused ("--max-len 128 there, 64 now").
+    workdir = tmp_path / "run"
+    first = _parse(*_without_max_len(_flags(slice_dir, workdir, "--preset", "mini")))
+    settings = train.run_settings(first, print)
+    model = train.model_config(first, None, settings.data["vocab_size"], pad_id=0)
+    sections = {"model": model, "data": settings.data, "train": settings.train}
+    save_run_config(workdir, {k: v if k == "data" else v.to_dict() for k, v in sections.items()})
+    assert model.max_len == 128 and checkpoint_steps(workdir) == []
+    again = _without_max_len(_flags(slice_dir, workdir, "--d-model", "64", "--vocab-size", "500"))
+    again = _parse(*again, "--seed", "3")
+    logged = []
+    settings = train.run_settings(again, logged.append)  # no CheckpointError
+    assert logged == []  # no "resuming with settings other than the run's"
+    assert (settings.data["vocab_size"], settings.train.seed) == (500, 3)
+    model = train.model_config(again, settings.saved, 500, pad_id=0)
+    assert (model.d_model, model.max_len) == (64, 64)
+    assert settings.max_len == settings.data["max_len"] == 64  # the pairs kept, as tiny's
+
+
 def test_the_run_config_is_written_only_once_the_checkpoint_is_restored(
     straight_run, monkeypatch, capsys
 ):
@@ -935,6 +986,25 @@ def test_bad_multi_host_flags_are_a_one_line_error_before_anything_is_written(
     assert not workdir.exists()
 
 
+def test_a_workdir_that_is_a_file_is_named_as_one_and_left_as_it_was(tmp_path):
+    (tmp_path / "notes").write_text("the user's")
+    with pytest.raises(train.UsageError, match="^--workdir .*notes is a file, not a directory$"):
+        train.run_settings(_parse("--workdir", tmp_path / "notes"), print)
+    assert (tmp_path / "notes").read_text() == "the user's"
+
+
+def test_an_empty_preset_is_an_error_not_the_default_model():
+    # --preset "$PRESET" with the variable unset trained mini without a word.
+    with pytest.raises(train.UsageError, match="^--preset: unknown preset ''; choose from"):
+        train.check_preset(_parse("--preset", ""))
+
+
+def test_the_dtype_flags_reach_the_model_config():
+    args = _parse("--dtype", "bfloat16", "--matmul-dtype", "bfloat16")
+    config = train.model_config(args, None, vocab_size=400, pad_id=0)
+    assert (config.dtype, config.matmul_dtype) == ("bfloat16", "bfloat16")
+
+
 @pytest.mark.parametrize(
     "name, message, code", [("", "--workdir is empty", 2), ("x" * 300, "File name too long", 1)]
 )
@@ -1109,6 +1179,18 @@ def test_a_second_ctrl_c_does_not_cut_short_taking_back_what_the_run_wrote(tmp_p
     assert {p.name: p.read_bytes() for p in workdir.iterdir()} == {"tokenizer.model": b"stray"}
 
 
+def test_a_ctrl_c_while_the_data_loads_takes_back_the_files_and_folders_the_run_made(tmp_path):
+    # A second Ctrl-C before training raises KeyboardInterrupt, which is no Exception. The
+    # workdir is made here where no lock made it first (a system without fcntl).
+    workdir = tmp_path / "new" / "run"
+    with pytest.raises(KeyboardInterrupt):
+        with train.removed_if_stopped_before_training(workdir, True, threading.Event(), None):
+            (workdir / "cache").mkdir(parents=True)
+            (workdir / "tokenizer.model").write_bytes(b"half-trained")
+            raise KeyboardInterrupt
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_tokenizer_no_run_config_ties_to_the_data_is_moved_aside(
     slice_dir, straight_run, multi30k_tokenizer, tmp_path
 ):
@@ -1173,6 +1255,40 @@ def test_the_summary_counts_the_validation_lines_scored_for_bleu(slice_dir, tmp_
     for limit, count in ((None, "24 lines"), (8, "the first 8 of its 24 lines"), (30, "24 lines")):
         loaded = train.load_training_data(tmp_path, settings, 64, 0, print, limit)
         assert loaded.summary[-1].endswith(f"loss batches, {count} for BLEU")
+
+
+def test_the_seed_draws_the_order_of_the_training_batches(slice_dir, tmp_path):
+    settings = train.data_settings(_parse(*_flags(slice_dir, tmp_path)), None)
+
+    def first_batch(seed):
+        loaded = train.load_training_data(tmp_path, settings, 64, seed, print)
+        return loaded.batcher.batch_at(0)["src"]
+
+    np.testing.assert_array_equal(first_batch(0), first_batch(0))
+    assert not np.array_equal(first_batch(0), first_batch(1))
+
+
+def test_the_tokenizer_type_flag_chooses_the_tokenizer_trained(slice_dir, tmp_path):
+    args = _parse(*_flags(slice_dir, tmp_path, "--tokenizer-type", "unigram"))
+    loaded = train.load_training_data(tmp_path, train.data_settings(args, None), 64, 0, print)
+    assert loaded.tokenizer.model_type == "unigram"
+
+
+def test_bleu_sources_stay_aligned_with_the_references_where_cleaning_drops_a_pair(
+    slice_dir, tmp_path
+):
+    # The validation loss skips a one-sided pair; BLEU scores every line against the
+    # reference file, so its sources keep that line too.
+    data_dir = tmp_path / "data"
+    shutil.copytree(slice_dir, data_dir)
+    for lang, line in (("en", ""), ("de", "Ein Hund.")):
+        lines = (data_dir / f"val.{lang}").read_text(encoding="utf-8").splitlines()
+        lines.insert(3, line)
+        (data_dir / f"val.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    settings = train.data_settings(_parse(*_flags(data_dir, tmp_path)), None)
+    validation = train.load_training_data(tmp_path / "run", settings, 64, 0, print).validation
+    assert len(validation.sources) == len(validation.references) == 25
+    assert (validation.sources[3], validation.references[3]) == ("", "Ein Hund.")
 
 
 def test_validation_sentences_longer_than_max_len_are_a_warning_at_the_start(slice_dir, tmp_path):
@@ -1343,6 +1459,21 @@ def test_max_len_without_the_flag_is_the_chosen_presets(slice_dir, tmp_path):
     del flags[flags.index("--max-len") : flags.index("--max-len") + 2]
     assert train.run_settings(_parse(*flags), print).max_len == 64  # tiny's, not mini's 128
     assert not (tmp_path / "run").exists()
+
+
+def test_a_refused_run_names_the_process_holding_the_workdir_and_no_other(tmp_path):
+    # The file a killed run left held its pid; the next run's was added after it, and a
+    # third run's error named both, on two lines.
+    (tmp_path / train.LOCK_FILE).write_text("999999\n")
+    with train.workdir_locked(tmp_path):
+        with pytest.raises(train.UsageError, match=rf"^another train.py \(process {os.getpid()}\)"):
+            with train.workdir_locked(tmp_path):
+                pass
+
+
+def test_the_done_line_counts_the_hours_of_a_run_longer_than_a_day():
+    assert train._duration(59.9) == "00:00:59"
+    assert train._duration(3 * 86400 + 3661) == "73:01:01"  # was 01:01:01
 
 
 def test_a_ctrl_c_outside_the_stop_handlers_exits_130_with_one_line(monkeypatch, capsys):
