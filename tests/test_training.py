@@ -4,7 +4,10 @@ import dataclasses
 import json
 import math
 import pathlib
+import struct
 import sys
+import threading
+import types
 from typing import Any
 
 import jax
@@ -488,6 +491,8 @@ def test_validation_can_be_turned_off_and_bleu_scored_on_every_line(
 
     monkeypatch.setattr(training, "evaluate_bleu", fake_bleu)
     assert trainer.validate(validation, bleu=True)["val_bleu"] == 12.5
+    # Without sentences to translate, a BLEU step measures the loss alone.
+    assert "val_bleu" not in trainer.validate(ValidationData(validation.batches), bleu=True)
     # The smallest N and token budget there are.
     trainer.config = dataclasses.replace(config, bleu_max_sentences=1, bleu_max_tokens=1)
     trainer.validate(validation, bleu=True)
@@ -512,11 +517,15 @@ def test_a_tiny_set_can_be_overfit(tiny_setup, tmp_path):
     assert checkpoint_steps(tmp_path) == [100]
 
 
-def _eight_step_trainer(tiny_setup, tmp_path) -> tuple[Trainer, Any]:
-    """A Trainer of 8 steps, logging and saving every 4, and its batcher, ready to run."""
+def _eight_step_trainer(tiny_setup, tmp_path, log=None, **changes) -> tuple[Trainer, Any]:
+    """A Trainer of 8 steps, logging and saving every 4 (or TrainConfig `changes`), and its
+    batcher, ready to run (resumed where `tmp_path` has a checkpoint)."""
     tokenizer, encoded, model_config = tiny_setup
     config = TrainConfig(steps=8, log_every=4, eval_every=0, checkpoint_every=4, **_RECIPE)
-    trainer = Trainer(model_config, config, tmp_path, pad_id=tokenizer.pad_id, progress=False)
+    config = dataclasses.replace(config, **changes)
+    trainer = Trainer(
+        model_config, config, tmp_path, pad_id=tokenizer.pad_id, progress=False, log=log
+    )
     batcher = _batcher(tokenizer, encoded)
     trainer.restore_or_init(batcher)
     trainer.open_metrics()
@@ -654,3 +663,271 @@ def test_a_log_window_weighs_losses_by_tokens_and_grad_norms_by_steps():
     assert window.means() == {"loss": 2.5, "nll": 2.0, "grad_norm": 2.0}
     window.add({"loss": 4.0, "nll": 4.0, "num_tokens": 5, "grad_norm": 0.5})
     assert window.means() == {"loss": 4.0, "nll": 4.0, "grad_norm": 0.5}  # a new window
+
+
+def test_a_log_window_carried_in_a_checkpoint_gives_the_same_means():
+    from transformer.training import _LogWindow
+
+    window = _LogWindow()
+    window.add({"loss": 1.5, "nll": 1.0, "num_tokens": 10, "grad_norm": 2.0})
+    window.add({"loss": 2.5, "nll": 2.0, "num_tokens": 30, "grad_norm": 4.0})
+    restored = _LogWindow(json.loads(json.dumps(window.state())))  # through the meta item
+    assert restored.means() == window.means() == {"loss": 2.25, "nll": 1.75, "grad_norm": 3.0}
+
+
+def _stop_at(step, batches, stop, start=0):
+    """Yields `batches` (of a run at `start`), setting `stop` as the batch of `step` comes,
+    as a SIGTERM during that step would: the run stops after it."""
+    for number, batch in enumerate(batches, start + 1):
+        if number == step:
+            stop.set()
+        yield batch
+
+
+def test_a_run_stopped_between_two_log_records_resumes_to_the_records_of_one_never_stopped(
+    tiny_setup, tmp_path
+):
+    # A record holds the means over the steps since the last one: the checkpoint of a stop
+    # at step 6 carries the sums of steps 5 and 6 into the resumed run's record 8.
+    straight, batcher = _eight_step_trainer(tiny_setup, tmp_path / "straight")
+    straight.run(with_data_state(batcher), 8)
+    straight.close()
+    stop = threading.Event()
+    trainer, batcher = _eight_step_trainer(tiny_setup, tmp_path / "stopped")
+    result = trainer.run(_stop_at(6, with_data_state(batcher), stop), 8, stop_event=stop)
+    trainer.close()
+    assert result.step == 6 and result.interrupted
+    assert checkpoint_steps(tmp_path / "stopped") == [4, 6]
+    trainer, batcher = _eight_step_trainer(tiny_setup, tmp_path / "stopped")
+    assert trainer.step == 6
+    trainer.run(with_data_state(batcher), 8)
+    trainer.close()
+    fields = ("step", "loss", "nll", "grad_norm", "lr")
+    records = [tuple(r[k] for k in fields) for r in read_metrics(tmp_path / "stopped")]
+    expected = [tuple(r[k] for k in fields) for r in read_metrics(tmp_path / "straight")]
+    assert [r[0] for r in records] == [4, 8] and records == expected
+    # The recipe's label_smoothing (0 here) reaches the step: the loss is the nll.
+    assert all(loss == nll for _, loss, nll, *_ in records)
+    # The stop's checkpoint is gone once a scheduled one follows, as in the run never stopped.
+    assert checkpoint_steps(tmp_path / "stopped") == checkpoint_steps(tmp_path / "straight")
+    # A record's learning rate is the one its last step's update used: step N's is
+    # schedule(N - 1), as the optimizer counts updates from 0.
+    schedule = learning_rate_schedule(tiny_setup[2].d_model, 10, scale=0.3)
+    for step, *_, lr in records:
+        assert lr == pytest.approx(float(schedule(step - 1)), rel=1e-6)
+
+
+def test_a_checkpoint_where_a_run_ends_off_the_schedule_is_kept_when_it_goes_on(
+    tiny_setup, tmp_path
+):
+    # The end of a run is on the checkpoint schedule: saved as a stop's, it was deleted by
+    # the first scheduled save of a run resumed with more steps.
+    trainer, batcher = _eight_step_trainer(tiny_setup, tmp_path)
+    assert not trainer.run(with_data_state(batcher), 6).interrupted
+    trainer.close()
+    trainer, batcher = _eight_step_trainer(tiny_setup, tmp_path)
+    trainer.run(with_data_state(batcher), 8)
+    trainer.close()
+    assert checkpoint_steps(tmp_path) == [4, 6, 8]
+
+
+def test_a_trainer_updates_with_every_optimizer_setting_of_its_config(tiny_setup, tmp_path):
+    # The Trainer builds its optimizer from a copy of the config's recipe fields: one left
+    # out of the copy (clipping, a cooldown's length) was silently its default.
+    tokenizer, _, model_config = tiny_setup
+    config = TrainConfig(
+        steps=6, warmup_steps=2, learning_rate_scale=2.0, cooldown=0.5, cooldown_shape="sqrt",
+        grad_clip_norm=0.5, weight_decay=0.1, adam_b1=0.8, adam_b2=0.9, adam_eps=1e-3,
+    )  # fmt: skip
+    trainer = Trainer(model_config, config, tmp_path, pad_id=tokenizer.pad_id, progress=False)
+    trainer.close()
+    expected = make_optimizer(config, model_config.d_model)
+    params = {"kernel": jnp.full((2, 2), 3.0), "bias": jnp.full(2, 3.0)}
+    state, expected_state = trainer.optimizer.init(params), expected.init(params)
+    for step in range(6):  # all 6 updates, the cooldown's 3 among them
+        grads = {"kernel": jnp.full((2, 2), step + 1.0), "bias": jnp.full(2, -1.0)}
+        updates, state = trainer.optimizer.update(grads, state, params)
+        expected_updates, expected_state = expected.update(grads, expected_state, params)
+        for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(expected_updates), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def _one_batch_validation(tiny_setup, **fields) -> ValidationData:
+    tokenizer, encoded, _ = tiny_setup
+    return ValidationData(
+        batches=lambda: [next(iter(_batcher(tokenizer, encoded)))], tokenizer=tokenizer, **fields
+    )
+
+
+def test_validation_follows_its_own_schedule_and_a_scored_step_is_saved(
+    tiny_setup, tmp_path, monkeypatch
+):
+    # Validation at steps 3 and 6, BLEU at 6: neither is a log or checkpoint step (4, 8).
+    monkeypatch.setattr(training, "evaluate_bleu", lambda *args, **kwargs: 7.5)
+    lines = []
+    trainer, batcher = _eight_step_trainer(
+        tiny_setup, tmp_path, lines.append, eval_every=3, bleu_every=6, keep_checkpoints=1
+    )
+    validation = _one_batch_validation(tiny_setup, sources=["a"], references=["b"])
+    result = trainer.run(with_data_state(batcher), 8, validation)
+    trainer.close()
+    val = [r for r in read_metrics(tmp_path) if "val_loss" in r]
+    assert [(r["step"], "val_bleu" in r) for r in val] == [(3, False), (6, True)]
+    # The scored step is saved off the schedule and kept as the best beside the last.
+    assert checkpoint_steps(tmp_path) == [6, 8]
+    assert (result.best_step, result.best_bleu) == (6, 7.5)
+    # The log line of a validation shows its record's figures.
+    assert f"step 3: val_loss {val[0]['val_loss']:.3f}, val_ppl {val[0]['val_ppl']:.2f}" in lines
+    assert (
+        f"step 6: val_loss {val[1]['val_loss']:.3f}, val_ppl {val[1]['val_ppl']:.2f}, "
+        "val_bleu 7.50" in lines
+    )
+
+
+def test_a_validation_a_stop_skipped_is_run_on_the_next_resume_only(
+    tiny_setup, tmp_path, monkeypatch
+):
+    # BLEU every 4 steps (and no validation loss of its own): the stop at the last step
+    # skips the one due there; a resume stopped at once still skips it, the next one runs
+    # it and scores the checkpoint with it, and no later resume runs it again.
+    monkeypatch.setattr(training, "evaluate_bleu", lambda *args, **kwargs: 7.5)
+    validation = _one_batch_validation(tiny_setup, sources=["a"], references=["b"])
+    schedule = dict(eval_every=0, bleu_every=4)
+    straight, batcher = _eight_step_trainer(tiny_setup, tmp_path / "straight", **schedule)
+    straight.run(with_data_state(batcher), 8, validation)
+    straight.close()
+    workdir, lines = tmp_path / "stopped", []
+
+    def resume(stop_at=None):
+        trainer, batcher = _eight_step_trainer(tiny_setup, workdir, lines.append, **schedule)
+        stop = threading.Event()
+        if stop_at == trainer.step:
+            stop.set()
+        batches = _stop_at(stop_at, with_data_state(batcher), stop, trainer.step)
+        result = trainer.run(batches, 8, validation, stop_event=stop)
+        trainer.close()
+        validated = [r["step"] for r in read_metrics(workdir) if "val_bleu" in r]
+        return result.interrupted, validated, result.best_step
+
+    assert resume(stop_at=8) == (True, [4], 4)
+    assert "step 8: validation skipped: stopping" in lines
+    assert resume(stop_at=8) == (True, [4], 4)  # stopped before it began
+    assert resume() == (False, [4, 8], 8)  # of tied scores the newest is the best
+    assert lines[-1].startswith("step 8: val_loss ") and lines[-1].endswith(
+        " (skipped by the stop)"
+    )
+    assert resume() == (False, [4, 8], 8)
+
+    def timeless(records):
+        drop = ("elapsed_s", "tokens_per_s")
+        return [{k: v for k, v in r.items() if k not in drop} for r in records]
+
+    assert timeless(read_metrics(workdir)) == timeless(read_metrics(tmp_path / "straight"))
+
+
+def test_throughput_counts_the_tokens_of_a_records_steps_over_their_training_time(
+    tiny_setup, tmp_path, monkeypatch
+):
+    # A clock that moves 1 s per batch and 1000 s per validation (every 4 steps; a stop
+    # skips the one at 8, which the resume then runs): each record's tokens_per_s is its
+    # own 2 steps' target tokens over their 2 s, without any validation's time.
+    now = [1000.0]
+    monkeypatch.setattr(training, "time", types.SimpleNamespace(time=lambda: now[0]))
+    tokenizer, encoded, _ = tiny_setup
+    tokens = []
+
+    def timed(batches):
+        for batch, state in batches:
+            now[0] += 1.0
+            tokens.append(int(np.sum(batch["tgt_out"] != tokenizer.pad_id)))
+            yield batch, state
+
+    def slow_batches():
+        now[0] += 1000.0
+        return [next(iter(_batcher(tokenizer, encoded)))]
+
+    validation = ValidationData(batches=slow_batches)
+    schedule = dict(steps=12, log_every=2, eval_every=4)
+    trainer, batcher = _eight_step_trainer(tiny_setup, tmp_path, **schedule)
+    stop = threading.Event()
+    trainer.run(_stop_at(8, timed(with_data_state(batcher)), stop), 12, validation, stop_event=stop)
+    trainer.close()
+    trainer, batcher = _eight_step_trainer(tiny_setup, tmp_path, **schedule)
+    trainer.run(timed(with_data_state(batcher)), 12, validation)
+    trainer.close()
+    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in records] == [2, 4, 6, 8, 10, 12]
+    expected = [sum(tokens[i : i + 2]) / 2 for i in range(0, 12, 2)]
+    assert [r["tokens_per_s"] for r in records] == pytest.approx(expected, rel=1e-9)
+
+
+def test_elapsed_time_goes_on_from_the_last_record_kept_on_resume(tmp_path, monkeypatch):
+    # Training time, for curves against time: the gap before the resume is not counted.
+    now = [100.0]
+    monkeypatch.setattr(training, "time", types.SimpleNamespace(time=lambda: now[0]))
+    log = MetricsLog(tmp_path)
+    for step in (1, 2):
+        now[0] += 10.0
+        log.write(step, {"loss": 1.0})
+    log.close()
+    now[0] += 5000.0  # stopped, then resumed from step 1, its one record kept
+    resumed = MetricsLog(tmp_path, resume_step=1)
+    now[0] += 3.0
+    resumed.write(2, {"loss": 1.0})
+    resumed.close()
+    now[0] += 5000.0  # and again, from step 2
+    resumed = MetricsLog(tmp_path, resume_step=2)
+    now[0] += 4.0
+    resumed.write(3, {"loss": 1.0})
+    resumed.close()
+    elapsed = [(r["step"], r["elapsed_s"]) for r in read_metrics(tmp_path)]
+    assert elapsed == [(1, 10.0), (2, 13.0), (3, 17.0)]
+
+
+def test_a_run_that_starts_afresh_drops_the_records_of_one_killed_before_its_first_checkpoint(
+    tmp_path,
+):
+    _metrics_file(tmp_path, range(1, 4))  # logged, then killed before anything was saved
+    log = MetricsLog(tmp_path)  # a fresh run: resume_step 0
+    log.write(1, {"loss": 2.0})
+    log.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 2.0)]
+
+
+def _tensorboard_scalars(workdir) -> list[tuple[str, int, float]]:
+    """(tag, step, value) of each point TensorBoard shows: the event files in name order,
+    where a writer's purge mark (a session start at step S) hides the earlier points of
+    step S on. Event files are TFRecords: length (8 bytes), its CRC (4), data, its CRC (4)."""
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    shown = []
+    for path in sorted(workdir.glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            if event.session_log.status == SessionLog.START:
+                shown = [point for point in shown if point[1] < event.step]
+            shown += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+    return shown
+
+
+def test_tensorboard_shows_the_records_of_metrics_jsonl_after_a_resume(tmp_path):
+    log = MetricsLog(tmp_path)
+    for step in range(1, 7):
+        log.write(step, {"loss": 10.0 / step, "lr": step / 100})
+    log.close()
+    # The two writers of this test start in the same second, which would give their event
+    # files one name: the first file is renamed as an earlier second's.
+    [first] = tmp_path.glob("events.out.tfevents.*")
+    first.rename(tmp_path / "events.out.tfevents.0000000000.first")
+    resumed = MetricsLog(tmp_path, resume_step=4)  # steps 5 and 6 are trained again
+    for step in (5, 6):
+        resumed.write(step, {"loss": 1.0 / step, "lr": step / 100})
+    resumed.close()
+    expected = [(n, r["step"], r[n]) for r in read_metrics(tmp_path) for n in ("loss", "lr")]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    shown = sorted(_tensorboard_scalars(tmp_path))
+    assert [p[:2] for p in shown] == sorted(p[:2] for p in expected)
+    assert [p[2] for p in shown] == pytest.approx([p[2] for p in sorted(expected)], rel=1e-6)

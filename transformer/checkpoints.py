@@ -619,15 +619,31 @@ class Checkpoints:
     def record_bleu(self, step: int, val_bleu: float) -> None:
         """Gives the saved checkpoint of `step` the validation BLEU that `save(...,
         val_bleu=)` would have given it (for a validation a stop skipped, run on resume),
-        so that it competes for the best; written whole, by process 0."""
+        so that it competes for the best."""
+        metrics = json.dumps({BEST_METRIC: float(val_bleu)})
+        self._rewrite_saved(step, "metrics/metrics", lambda _: metrics)
+        self._manager.reload()  # Orbax keeps each step's metrics in memory
+
+    def record_meta(self, step: int, changes: dict[str, Any]) -> None:
+        """Rewrites entries of the saved meta item of `step` (as `update_meta` does), for
+        what a resume from it must know that was not known at the save (a validation a
+        stop skipped has been run since)."""
+
+        def updated(path: Path) -> str:
+            return json.dumps({**json.loads(path.read_text(encoding="utf-8")), **changes})
+
+        self._rewrite_saved(step, "meta/metadata", updated)  # Orbax's JsonSave file
+
+    def _rewrite_saved(self, step: int, file: str, content: Callable[[Path], str]) -> None:
+        """Replaces `file` (where Orbax's save wrote it) of the saved checkpoint of `step`
+        with `content(path)`, written whole by process 0 once the saves are done."""
         self.wait()
         step_dir = ocp.path.step.build_step_path(self.directory, _STEP_NAME_FORMAT, step)
-        path = Path(step_dir) / "metrics" / "metrics"  # where Orbax's save writes it
+        path = Path(step_dir) / file
         if jax.process_index() == 0:
             with _write_errors(self.directory):
-                write_text_atomically(path, json.dumps({BEST_METRIC: float(val_bleu)}))
-        ocp.multihost.sync_global_processes(f"record_bleu_{step}")
-        self._manager.reload()  # Orbax keeps each step's metrics in memory
+                write_text_atomically(path, content(path))
+        ocp.multihost.sync_global_processes(f"rewrite_{file.replace('/', '_')}_{step}")
 
     def check_compatible(self, step: int, params_like: PyTree) -> None:
         """Raises a one-line CheckpointError if `step`'s parameters do not fit `params_like`.

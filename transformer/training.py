@@ -1202,6 +1202,9 @@ class Trainer:
         )
         if val_bleu is not None:
             self.checkpoints.record_bleu(step, val_bleu)
+        # Run now: a later resume from this checkpoint (another --steps, a damaged newer
+        # one) ran it again, a second record of the step in metrics.jsonl.
+        self.checkpoints.record_meta(step, {"validation_skipped": False})
 
     def _validate_and_record(
         self, validation: ValidationData, *, bleu: bool, note: str = ""
