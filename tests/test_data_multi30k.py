@@ -205,32 +205,20 @@ def test_cache_root_that_is_a_file_is_a_data_error(tmp_path, monkeypatch):
     assert root.read_text() == "a regular file\n"
 
 
-def test_unwritable_cache_directory_is_a_data_error(cache, monkeypatch):
-    real_open = os.open
+@pytest.mark.parametrize(
+    "owner, call",
+    [(os, "open"), (pathlib.Path, "is_file")],
+    ids=["unwritable", "cannot-be-looked-into"],
+)
+def test_a_cache_directory_without_permission_is_a_data_error(cache, monkeypatch, owner, call):
+    real = getattr(owner, call)
 
-    def open_file(path, *args, **kwargs):  # what a read-only directory gives (root ignores chmod)
-        if str(path).startswith(str(cache)):
-            raise PermissionError(13, "Permission denied", path)
-        return real_open(path, *args, **kwargs)
-
-    monkeypatch.setattr(multi30k.os, "open", open_file)
-    monkeypatch.setattr(multi30k, "urlopen", FakeOpener({}))
-    with pytest.raises(data.DataError) as e:
-        data.load_corpus(data.CorpusSpec(), "val")
-    message = str(e.value)
-    assert "\n" not in message and str(cache) in message and "Permission denied" in message
-    assert "$TRANSFORMER_MT_CACHE" in message
-
-
-def test_a_cache_directory_that_cannot_be_looked_into_is_a_data_error(cache, monkeypatch):
-    is_file = pathlib.Path.is_file
-
-    def look(path):  # what a parent without search permission gives (root ignores chmod)
-        if str(path).startswith(str(cache)):
+    def denied(path, *args, **kwargs):  # what a read-only or unsearchable directory gives
+        if str(path).startswith(str(cache)):  # (as root ignores chmod)
             raise PermissionError(13, "Permission denied", str(path))
-        return is_file(path)
+        return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(pathlib.Path, "is_file", look)
+    monkeypatch.setattr(owner, call, denied)
     monkeypatch.setattr(multi30k, "urlopen", FakeOpener({}))
     with pytest.raises(data.DataError) as e:
         data.load_corpus(data.CorpusSpec(), "val")
