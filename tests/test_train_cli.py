@@ -1455,8 +1455,7 @@ def test_data_folders_are_saved_as_absolute_paths(tmp_path, monkeypatch):
 
 
 def test_max_len_without_the_flag_is_the_chosen_presets(slice_dir, tmp_path):
-    flags = _flags(slice_dir, tmp_path / "run")
-    del flags[flags.index("--max-len") : flags.index("--max-len") + 2]
+    flags = _without_max_len(_flags(slice_dir, tmp_path / "run"))
     assert train.run_settings(_parse(*flags), print).max_len == 64  # tiny's, not mini's 128
     assert not (tmp_path / "run").exists()
 

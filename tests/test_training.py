@@ -461,23 +461,24 @@ def test_validation_of_a_model_with_dropout_is_without_it(tiny_setup):
     assert val["val_nll"] == pytest.approx(float(nll_sum) / int(n), rel=1e-5)
 
 
+def _one_batch_validation(tiny_setup, **fields) -> ValidationData:
+    tokenizer, encoded, _ = tiny_setup
+    return ValidationData(
+        batches=lambda: [next(iter(_batcher(tokenizer, encoded)))], tokenizer=tokenizer, **fields
+    )
+
+
 def test_validation_can_be_turned_off_and_bleu_scored_on_every_line(
     tiny_setup, tmp_path, monkeypatch
 ):
     # eval_every=0 and bleu_every=0 validate never, though validation data is given; and
     # bleu_max_sentences=None scores every validation line, a number N the first N.
-    tokenizer, encoded, _ = tiny_setup
     trainer, batcher = _eight_step_trainer(tiny_setup, tmp_path)
     config = trainer.config
     assert config.bleu_every == 0 and config.bleu_max_sentences is None
     sources = [f"source {i}" for i in range(11)]  # more than a default N would keep
     references = [f"reference {i}" for i in range(11)]
-    validation = ValidationData(
-        batches=lambda: [next(iter(_batcher(tokenizer, encoded)))],
-        sources=sources,
-        references=references,
-        tokenizer=tokenizer,
-    )
+    validation = _one_batch_validation(tiny_setup, sources=sources, references=references)
     trainer.run(with_data_state(batcher), config.steps, validation)
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [4, 8]
@@ -750,13 +751,6 @@ def test_a_trainer_updates_with_every_optimizer_setting_of_its_config(tiny_setup
         expected_updates, expected_state = expected.update(grads, expected_state, params)
         for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(expected_updates), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6)
-
-
-def _one_batch_validation(tiny_setup, **fields) -> ValidationData:
-    tokenizer, encoded, _ = tiny_setup
-    return ValidationData(
-        batches=lambda: [next(iter(_batcher(tokenizer, encoded)))], tokenizer=tokenizer, **fields
-    )
 
 
 def test_validation_follows_its_own_schedule_and_a_scored_step_is_saved(
