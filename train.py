@@ -1098,7 +1098,6 @@ class RunSettings:
     saved: dict[str, Any] | None  # the workdir's config.json, None for a new run
     data: dict[str, Any]
     train: TrainConfig
-    max_len: int
 
 
 def run_settings(args: argparse.Namespace, log) -> RunSettings:
@@ -1137,7 +1136,7 @@ def run_settings(args: argparse.Namespace, log) -> RunSettings:
     model_cfg = model_config(args, saved, data_cfg["vocab_size"], pad_id=0)
     # The pairs kept are the model's: a --preset given where a run was started (and killed
     # before its first checkpoint) is the model asked for, max_len included.
-    max_len = data_cfg["max_len"] = model_cfg.max_len
+    data_cfg["max_len"] = model_cfg.max_len
     if saved is not None:
         from_tokenizer = {k: v for k, v in saved["model"].items() if k in ("vocab_size", "pad_id")}
         check_resume_matches(
@@ -1147,7 +1146,7 @@ def run_settings(args: argparse.Namespace, log) -> RunSettings:
         changes = resumed_changes(saved, train_cfg, data_cfg)
         if changes and checkpoint_steps(workdir):
             log(f"resuming with settings other than the run's: {'; '.join(changes)}")
-    return RunSettings(workdir, saved, data_cfg, train_cfg, max_len)
+    return RunSettings(workdir, saved, data_cfg, train_cfg)
 
 
 def _run(args: argparse.Namespace, log, stop: threading.Event, training: threading.Event) -> int:
@@ -1177,7 +1176,7 @@ def _run_locked(
             loaded = load_training_data(
                 workdir,
                 settings.data,
-                settings.max_len,
+                settings.data["max_len"],
                 settings.train.seed,
                 log,
                 settings.train.bleu_max_sentences,
