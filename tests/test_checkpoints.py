@@ -28,6 +28,7 @@ from transformer.checkpoints import (
     kept_last,
     load_run_config,
     name_aside,
+    read_meta,
     restore_chosen,
     restore_last,
     restore_params,
@@ -124,6 +125,9 @@ def test_update_meta_changes_what_a_resume_reads_and_nothing_else(tmp_path, para
         np.testing.assert_array_equal(a, b)
     with pytest.raises(CheckpointError, match="no checkpoint at step 5 .* available: 4, 8"):
         update_meta(tmp_path, 5, {"rng": [0, 0]})
+    with pytest.raises(TypeError):  # not JSON: the saved meta item stays whole
+        update_meta(tmp_path, 4, {"rng": object()})
+    assert read_meta(tmp_path, 4) == changed
 
 
 def test_keeps_last_k_plus_best_and_finds_best(tmp_path, params):

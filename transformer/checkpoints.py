@@ -629,10 +629,7 @@ class Checkpoints:
         what a resume from it must know that was not known at the save (a validation a
         stop skipped has been run since)."""
 
-        def updated(path: Path) -> str:
-            return json.dumps({**json.loads(path.read_text(encoding="utf-8")), **changes})
-
-        self._rewrite_saved(step, "meta/metadata", updated)  # Orbax's JsonSave file
+        self._rewrite_saved(step, f"meta/{_META_FILE}", lambda path: _merged(path, changes))
 
     def _rewrite_saved(self, step: int, file: str, content: Callable[[Path], str]) -> None:
         """Replaces `file` (where Orbax's save wrote it) of the saved checkpoint of `step`
@@ -955,12 +952,17 @@ def update_meta(workdir: str | os.PathLike, step: int, changes: dict[str, Any]) 
     Raises:
       CheckpointError: no checkpoint at `step`.
     """
-    item = _meta_item(workdir, step)
-    handler = ocp.JsonCheckpointHandler()
-    meta = {**handler.restore(item), **changes}
-    with _quiet_orbax():
-        handler.save(item, args=ocp.args.JsonSave(meta))
-    return meta
+    path = _meta_item(workdir, step) / _META_FILE
+    write_text_atomically(path, _merged(path, changes))
+    return read_meta(workdir, step)
+
+
+_META_FILE = "metadata"  # the file of a checkpoint's "meta" item, where Orbax's JsonSave writes it
+
+
+def _merged(path: Path, changes: dict[str, Any]) -> str:
+    """The JSON object of `path` with `changes` replacing (or joining) its entries."""
+    return json.dumps({**json.loads(path.read_text(encoding="utf-8")), **changes})
 
 
 class _Unreadable(CheckpointError):
