@@ -57,7 +57,10 @@ def _assert_well_formed(tokens: np.ndarray, src: np.ndarray, max_extra_len: int)
         ((2, 5), {"max_len": 9.5}, "max_len must be an integer, got 9.5"),
         ((2, 5), {"bos_id": 16}, r"bos_id must be in \[0, vocab_size 16\), got 16"),
         ((2, 5), {"eos_id": 21}, r"eos_id must be in \[0, vocab_size 16\), got 21"),
+        ((2, 5), {"bos_id": -1}, r"bos_id must be in \[0, vocab_size 16\), got -1"),
         ((2, 5), {"pad_id": 5}, r"pad_id 5 is not the model's padding id \(config.pad_id 0\)"),
+        ((2, 5), {"eos_id": 0}, r"padding id \(0\) must differ from the start \(1\) and end \(0\)"),
+        ((2, 5), {"bos_id": 0}, r"padding id \(0\) must differ from the start \(0\) and end \(2\)"),
         ((2, 0), {}, r"src_BS must be \[batch, src_len\] with src_len >= 1, got shape \(2, 0\)"),
         ((5,), {}, r"src_BS must be \[batch, src_len\]"),
         (
@@ -75,6 +78,8 @@ def test_arguments_that_would_search_wrongly_are_errors(
     # past it gave NaN embeddings, another padding id counted padding into the length
     # limits, and the others failed deep inside with an index or shape error (a float
     # width or length: "Shapes must be 1D sequences of concrete values of integer type").
+    # A negative id would embed the vocabulary's last piece, an end id that is the
+    # padding id would never be generated, and a start id that is would be masked out.
     model, params, _ = model_and_sources
     src = jnp.full(src_shape, 3, jnp.int32)
     kwargs = {"bos_id": BOS, "eos_id": EOS, "pad_id": PAD, **changes}
@@ -108,11 +113,13 @@ def test_an_output_limit_of_one_token_is_searched(model_and_sources):
         ({"alpha": "0.6"}, "alpha must be a real number >= 0, got '0.6'"),
         ({"alpha": -0.5}, "alpha must be a real number >= 0, got -0.5"),
         ({"alpha": float("nan")}, "alpha must be a real number >= 0, got nan"),
+        ({"alpha": float("inf")}, "alpha must be a real number >= 0, got inf"),
     ],
 )
 def test_arguments_of_the_wrong_type_are_errors_naming_them(model_and_sources, changes, message):
     # A list of ids was "'list' object has no attribute 'ndim'", a float id or alpha None
-    # an error deep inside JAX, and True was taken as the id 1.
+    # an error deep inside JAX, and True was taken as the id 1. An infinite alpha would
+    # score every output longer than one token 0, the best score, whatever its log P.
     model, params, _ = model_and_sources
     kwargs = {"bos_id": BOS, "eos_id": EOS, "pad_id": PAD, **changes}
     src = kwargs.pop("src", jnp.full((1, 3), 3, jnp.int32))
@@ -388,6 +395,26 @@ def test_an_end_token_finishes_where_it_ranks_within_the_beam_counting_ends_abov
     assert float(scores[0]) == pytest.approx(np.log(0.6 * 0.45), rel=1e-5)
 
 
+class _EndOnTheSecondBeam(_EndsRanked):
+    """After the start, words 3 and 4 with P 0.6 and 0.4; after 3, word 3 0.8 and word 4
+    0.2; after 4, the end 0.9 and word 4 0.1."""
+
+    P_IV = np.zeros((5, 5))
+    P_IV[BOS, [3, 4]] = 0.6, 0.4
+    P_IV[3, [3, 4]] = 0.8, 0.2
+    P_IV[4, [EOS, 4]] = 0.9, 0.1
+
+
+def test_an_output_that_ends_on_another_beam_than_the_first_keeps_its_own_words():
+    # Beam 2, plain log P. Step 2 ranks "3 3" 0.48, "4 </s>" 0.36, "3 4" 0.12: "4 </s>"
+    # ends, on the second beam ("4"), and no later output comes near it (the search stops
+    # at "3 3 3 3" 0.31). Its words are that beam's, not the first beam's "3" with the end
+    # token (an output the model gives P 0).
+    tokens, scores = _beam_of_two(_EndOnTheSecondBeam())
+    assert tokens[0].tolist() == [4, EOS, PAD, PAD, PAD, PAD]
+    assert float(scores[0]) == pytest.approx(np.log(0.4 * 0.9), rel=1e-5)
+
+
 class _Successor(_Scripted):
     """A decoder whose next token follows from its input token alone: the start token
     is followed by word 3, 3 by 4, and 4 by the end token, each surely."""
@@ -413,6 +440,28 @@ def test_each_step_feeds_the_token_produced_just_before(beam_size):
     else:
         tokens, _ = beam_search(_Successor(), {}, src, beam_size=beam_size, alpha=0.6, **kw)
     assert np.asarray(tokens)[0].tolist() == [3, 4, EOS, PAD, PAD, PAD]
+
+
+@pytest.mark.parametrize("beam_size", [None, 1, 2])
+def test_a_search_stops_when_every_sentence_is_done_not_at_the_buffer_length(beam_size):
+    # Both sentences end at step 3 with log P 0, which no longer output can beat. A search
+    # that ran on to the 3 + 50 positions its outputs have room for gave the same tokens
+    # in 53 decoder steps instead of 3 (uncached: one call of `decode` a step).
+    steps = []
+
+    class CountedSuccessor(_Successor):
+        def decode(self, encoded, src, tgt, decode=False):
+            jax.debug.callback(lambda: steps.append("step"))
+            return super().decode(encoded, src, tgt, decode)
+
+    src = jnp.array([[3, 3, 2], [4, 2, 0]], jnp.int32)
+    kw = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_extra_len=50, use_cache=False)
+    if beam_size is None:
+        tokens = greedy_search(CountedSuccessor(), {}, src, **kw)
+    else:
+        tokens, _ = beam_search(CountedSuccessor(), {}, src, beam_size=beam_size, alpha=0.6, **kw)
+    assert np.asarray(tokens)[:, :4].tolist() == [[3, 4, EOS, PAD]] * 2
+    assert len(steps) == 3
 
 
 class _PaddingFirst(_Scripted):
