@@ -1,5 +1,6 @@
 """evaluate.py end to end on a tiny workdir: sacreBLEU agreement, --translate, plots, errors."""
 
+import argparse
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from matplotlib import image as mpimg
 import data
 import evaluate
 import train
+from data.batching import inference_length
 from tests.make_tiny_workdir import damage_checkpoint
 from transformer import TransformerConfig, checkpoints, training, translate
 
@@ -70,8 +72,9 @@ def test_printed_scores_equal_the_sacrebleu_command(workdir, tmp_path, capsys):
         ["--workdir", workdir, "--split", "test2016", "--output", hyp, *FAST], capsys
     )
     assert code == 0, err
-    # By default the average of the last 5 checkpoints, here all 3 the run has.
-    assert "average of steps 200, 300, 400;" in err
+    # By default the average of the last 5 checkpoints, here all 3 the run has; the header
+    # names the split with its direction and size.
+    assert "average of steps 200, 300, 400; test2016 en-de: 16 sentences;" in err
     hypotheses = hyp.read_text(encoding="utf-8").split("\n")[:-1]
     assert len(hypotheses) == N_TEST and len(set(hypotheses)) > 1
     assert "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:" in out
@@ -91,23 +94,29 @@ def test_printed_scores_equal_the_sacrebleu_command(workdir, tmp_path, capsys):
     assert float(bleu["verbose_score"].split("/")[0]) > 0 and expected["chrF2"]["score"] > 0
 
 
+def _copy_reading_other_data(workdir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the trained run whose config.json names an empty data folder of its own,
+    for a test to write splits into; returns the copy and the folder."""
+    run, data_dir = tmp_path / "run", tmp_path / "data"
+    shutil.copytree(workdir, run)
+    data_dir.mkdir()
+    config = json.loads((run / "config.json").read_text())
+    config["data"]["data_dir"] = str(data_dir)
+    (run / "config.json").write_text(json.dumps(config))
+    return run, data_dir
+
+
 def test_scores_are_against_the_raw_reference_file_not_its_normalized_text(
     workdir, tmp_path, capsys
 ):
     # Normalizing changes no line of test2016.de, so scoring the normalized references
     # passed the test above. Here every reference is full-width (which NFKC undoes).
-    run = tmp_path / "run"
-    shutil.copytree(workdir, run)
-    config = json.loads((run / "config.json").read_text())
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    origin = Path(config["data"]["data_dir"])
+    run, data_dir = _copy_reading_other_data(workdir, tmp_path)
+    origin = Path(json.loads((workdir / "config.json").read_text())["data"]["data_dir"])
     shutil.copy(origin / "test2016.en", data_dir / "test2016.en")
     wide = {c: chr(ord(c) + 0xFEE0) for c in map(chr, range(0x21, 0x7F))}
     raw = [line.translate(str.maketrans(wide)) for line in data.read_lines(origin / "test2016.de")]
     (data_dir / "test2016.de").write_text("".join(line + "\n" for line in raw), encoding="utf-8")
-    config["data"]["data_dir"] = str(data_dir)
-    (run / "config.json").write_text(json.dumps(config))
     hyp = tmp_path / "hyp"
     argv = ["--workdir", run, "--split", "test2016", "--output", hyp, "--checkpoint", "last"]
     code, out, err = _run([*argv, "--greedy", "--max-extra-len", "4", "--no-progress"], capsys)
@@ -119,16 +128,32 @@ def test_scores_are_against_the_raw_reference_file_not_its_normalized_text(
     assert _score_text(out, "chrF2") == chrf
 
 
+def test_a_splits_empty_line_is_translated_not_skipped(workdir, tmp_path, capsys):
+    # Training skips a pair with an empty side; a scored split keeps every line, so that
+    # the translations line up with the reference file (and --output with the source).
+    run, data_dir = _copy_reading_other_data(workdir, tmp_path)
+    (data_dir / "test2016.en").write_text("A man rides a bike.\n\nTwo dogs play.\n")
+    (data_dir / "test2016.de").write_text("Ein Mann fährt Rad.\nLeer.\nZwei Hunde spielen.\n")
+    hyp = tmp_path / "hyp"
+    argv = ["--workdir", run, "--split", "test2016", "--output", hyp, "--checkpoint", "last"]
+    code, out, err = _run([*argv, "--greedy", *FAST[2:]], capsys)
+    assert code == 0 and "test2016 en-de: 3 sentences;" in err, err
+    translations = hyp.read_text(encoding="utf-8").split("\n")
+    assert len(translations) == 4 and translations[1] == translations[3] == ""
+    assert "BLEU|" in out
+
+
 def test_the_search_flags_and_their_documented_defaults_reach_the_search(
     workdir, tmp_path, capsys, monkeypatch
 ):
     # The header printed the flags; the search must get them too.
-    calls = []
+    calls, bars = [], []
     real = evaluate.translate_ids
     names = ("greedy", "beam_size", "alpha", "max_extra_len", "max_tokens")
 
     def recording(*args, **kwargs):
         calls.append({name: kwargs[name] for name in names})
+        bars.append(kwargs["progress"])
         return real(*args, **{**kwargs, "greedy": True, "max_extra_len": 1})  # quick
 
     monkeypatch.setattr(evaluate, "translate_ids", recording)
@@ -139,6 +164,7 @@ def test_the_search_flags_and_their_documented_defaults_reach_the_search(
     for flags in ([], search, ["--greedy"]):
         code, _, err = _run([*base, *flags], capsys)
         assert code == 0, err
+    assert bars == [False] * 3  # --no-progress each time
     assert calls == [
         dict(greedy=False, beam_size=5, alpha=1.25, max_extra_len=50, max_tokens=4096),
         dict(greedy=False, beam_size=3, alpha=0.5, max_extra_len=7, max_tokens=512),
@@ -266,6 +292,13 @@ def test_sources_longer_than_max_len_are_translated_whole_with_a_warning(workdir
     assert hypotheses[1] == whole[0]
 
 
+def test_sources_as_long_as_max_len_get_no_warning(capsys):
+    evaluate._warn_of_long_sources([[5] * 64, [5] * 3], max_len=64)
+    assert capsys.readouterr().err == ""
+    evaluate._warn_of_long_sources([[5] * 64, [5] * 65], max_len=64)
+    assert "max_len of 64 tokens: 1 (the longest 65 tokens)" in capsys.readouterr().err
+
+
 def test_ctrl_c_while_decoding_is_one_line_exit_130_and_no_output(
     workdir, tmp_path, capsys, monkeypatch
 ):
@@ -305,6 +338,22 @@ def test_a_ctrl_c_that_python_dropped_still_stops_before_the_output_is_written(
     assert err.splitlines()[-1] == f"interrupted; --output {hyp} was not written"
     assert hyp.read_text(encoding="utf-8") == "the translations of before\n"
     assert signal.getsignal(signal.SIGINT) is before  # put back
+
+
+def test_ctrl_c_after_the_output_is_written_does_not_say_it_was_not(
+    workdir, tmp_path, capsys, monkeypatch
+):
+    def interrupted(hypotheses, references):  # while scoring, after --output was written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluate, "score", interrupted)
+    src, ref, hyp = tmp_path / "src.en", tmp_path / "ref.de", tmp_path / "hyp.de"
+    src.write_text("A dog runs.\n", encoding="utf-8")
+    ref.write_text("Ein Hund rennt.\n", encoding="utf-8")
+    argv = ["--workdir", workdir, "--src-file", src, "--ref-file", ref, "--output", hyp]
+    code, out, err = _run([*argv, "--greedy", *FAST[2:]], capsys)
+    assert code == 130 and out == "" and err.splitlines()[-1] == "interrupted", err
+    assert len(hyp.read_text(encoding="utf-8").splitlines()) == 1
 
 
 def test_output_to_dev_stdout_is_written_through_stdout_with_the_scores_on_stderr(
@@ -399,6 +448,52 @@ def test_attention_plots_are_png_files(workdir, tmp_path, capsys):
         assert pixels.std() > 0.05  # not a blank canvas
 
 
+def test_attention_plots_show_the_first_non_empty_lines_and_each_output_with_its_end(
+    workdir, tmp_path, capsys, monkeypatch
+):
+    from transformer import visualize
+
+    decoded, drawn = [], []
+    real_search, real_plot = evaluate.translate_ids, visualize.plot_sentence_attention
+
+    def recording_search(model, params, src_ids, **kwargs):
+        decoded.append((src_ids, real_search(model, params, src_ids, **kwargs)))
+        return decoded[-1][1]
+
+    def recording_plot(layer_weights, src_tokens, tgt_tokens, out_dir, **kwargs):
+        drawn.append((layer_weights, src_tokens, tgt_tokens))
+        return real_plot(layer_weights, src_tokens, tgt_tokens, out_dir, **kwargs)
+
+    monkeypatch.setattr(evaluate, "translate_ids", recording_search)
+    monkeypatch.setattr(visualize, "plot_sentence_attention", recording_plot)
+    src, plot_dir = tmp_path / "src.en", tmp_path / "plots"
+    src.write_text("\nA dog runs in the snow.\n", encoding="utf-8")
+    argv = ["--workdir", workdir, "--src-file", src, "--checkpoint", "last", "--greedy"]
+    code, _, err = _run([*argv, *FAST[2:], "--plot-attention", "1", "--plot-dir", plot_dir], capsys)
+    assert code == 0, err
+    # An empty line has no attention to draw: the first plot is line 2's, named by its
+    # number, and without --plot-heads only the mean over the heads is drawn.
+    layers = TransformerConfig.preset("tiny", vocab_size=8).num_decoder_layers
+    assert sorted(f.name for f in plot_dir.iterdir()) == [
+        f"sentence_0002_layer{layer}.png" for layer in range(1, layers + 1)
+    ]
+    # Its rows are the translation's pieces and then its end, each the attention of the
+    # decoder step (fed the start token, then the pieces before) that chose it.
+    [(src_ids, hyp_ids)] = decoded
+    [(layer_weights, src_tokens, tgt_tokens)] = drawn
+    run = translate.load_run(workdir, checkpoint="last")
+    tok = run.tokenizer
+    tgt_out = [*hyp_ids[1], tok.eos_id]
+    assert src_tokens == [tok.id_to_piece(t) for t in src_ids[1]]
+    assert tgt_tokens == [tok.id_to_piece(t) for t in tgt_out]
+    expected = visualize.cross_attention_weights(
+        run.model, run.params, np.asarray([src_ids[1]]), np.asarray([tgt_out]), bos_id=tok.bos_id
+    )
+    assert len(layer_weights) == layers
+    for weights, layer in zip(layer_weights, expected, strict=True):
+        np.testing.assert_allclose(weights, layer[0], rtol=1e-5, atol=1e-6)
+
+
 def test_training_curve_is_drawn_from_metrics(workdir, tmp_path, capsys):
     path = tmp_path / "curve.png"
     code, _, err = _run(["--workdir", workdir, "--plot-curve", path], capsys)
@@ -464,6 +559,18 @@ def test_training_curve_path_errors_name_the_path(name, message, workdir, tmp_pa
         ),
         (["--workdir", "{workdir}", "--split", "val", "--translate"], "exactly one of"),
         (
+            ["--workdir", "{workdir}"],
+            "choose exactly one of --split, --src-file, --translate or --plot-curve",
+        ),
+        (
+            ["--workdir", "{workdir}", "--split", "val", "--ref-file", "{ref}"],
+            "--ref-file needs --src-file",
+        ),
+        (
+            ["--workdir", "{workdir}", "--split", "val", "--input", "{src}"],
+            "--input goes with --translate (use --src-file to score a file)",
+        ),
+        (
             ["--workdir", "{workdir}", "--split", "val", "--average-last", "4"],
             "has 3 (200, 300, 400)",
         ),
@@ -515,6 +622,10 @@ def test_training_curve_path_errors_name_the_path(name, message, workdir, tmp_pa
         (["--workdir", "{src}", "--split", "val"], "workdir {src} is a file, not a directory"),
         (["--workdir", "{src}", "--plot-curve", "{ref}.png"], "{src} is a file, not a directory"),
         (
+            ["--workdir", "{missing}", "--plot-curve", "{ref}.png"],
+            "--workdir {missing} does not exist; train into it with train.py first",
+        ),
+        (
             ["--workdir", "{empty_dir}", "--plot-curve", "{ref}.png"],
             "{empty_dir} has no config.json or metrics.jsonl; is it a workdir written by",
         ),
@@ -526,6 +637,9 @@ def test_training_curve_path_errors_name_the_path(name, message, workdir, tmp_pa
         "line-mismatch",
         "empty-files",
         "two-modes",
+        "no-mode",
+        "ref-file-without-src-file",
+        "input-without-translate",
         "avg",
         "avg-and-checkpoint",
         "avg-0",
@@ -544,6 +658,7 @@ def test_training_curve_path_errors_name_the_path(name, message, workdir, tmp_pa
         "plot-heads-without-plots",
         "workdir-is-a-file",
         "curve-workdir-is-a-file",
+        "curve-missing-workdir",
         "curve-workdir-without-metrics",
     ],
 )
@@ -589,6 +704,16 @@ def test_a_closed_standard_stream_is_a_one_line_error(
     assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
 
 
+def test_translate_input_file_needs_no_standard_input(workdir, tmp_path, monkeypatch, capsys):
+    # As from cron or `<&-`: --input is read, and standard input never is.
+    monkeypatch.setattr(sys, "stdin", None)
+    source = tmp_path / "in.en"
+    source.write_text("A dog runs.\n", encoding="utf-8")
+    argv = ["--workdir", workdir, "--translate", "--input", source, "--greedy", *FAST[2:]]
+    code, out, err = _run(argv, capsys)
+    assert code == 0 and len(out.splitlines()) == 1, err
+
+
 def test_the_least_values_of_the_search_flags_are_accepted():
     # Beam 1, no length penalty, no extra length, no plots and one checkpoint are settings,
     # not mistakes.
@@ -597,6 +722,13 @@ def test_the_least_values_of_the_search_flags_are_accepted():
     args = evaluate.parse_args(["--workdir", "w", "--split", "val", *least])
     evaluate._check_args(args)
     assert (args.beam, args.alpha, args.max_extra_len, args.max_tokens) == (1, 0.0, 0, 1)
+
+
+def test_the_largest_search_sizes_are_accepted():
+    # The most that the error message names is a setting too.
+    largest = str(evaluate.LARGEST_SEARCH_SIZE)
+    argv = ["--workdir", "w", "--split", "val", "--beam", largest, "--max-extra-len", largest]
+    evaluate._check_args(evaluate.parse_args(argv))
 
 
 def _run_config(workdir: Path, **sections) -> Path:
@@ -639,6 +771,16 @@ def test_input_mistakes_are_found_before_the_checkpoints_are_read(tmp_path, caps
         assert message in err, err
 
 
+def test_a_mistyped_checkpoint_is_refused_before_the_inputs_are_read(tmp_path, capsys):
+    # load_run refuses it too, but only after the inputs were read (a split perhaps
+    # downloaded) and the model built: here the missing source file would be reported.
+    argv = ["--workdir", tmp_path, "--src-file", tmp_path / "nope.en", "--output", tmp_path / "o"]
+    code = evaluate.main([str(a) for a in [*argv, "--checkpoint", "lastt"]], load=_no_decoding)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == "error: --checkpoint must be 'best', 'last' or a step number, not 'lastt'\n"
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -649,12 +791,21 @@ def test_input_mistakes_are_found_before_the_checkpoints_are_read(tmp_path, caps
         ),
         (["--output", "{dir}"], "--output {dir} is a directory"),
         (["--output", "{file}/out.de"], "--output {file}/out.de: {file} is not a directory"),
+        # The translations go to the file a link names (the link stays a link): its folder.
+        (["--output", "{link}"], "--output {link}: {file} is not a directory"),
     ],
-    ids=["plot-dir-is-a-file", "plot-dir-under-a-file", "output-is-a-dir", "output-under-a-file"],
+    ids=[
+        "plot-dir-is-a-file",
+        "plot-dir-under-a-file",
+        "output-is-a-dir",
+        "output-under-a-file",
+        "output-links-under-a-file",
+    ],
 )
 def test_unwritable_output_places_fail_before_decoding(flags, message, tmp_path, capsys):
-    places = dict(file=tmp_path / "a_file", dir=tmp_path)
+    places = dict(file=tmp_path / "a_file", dir=tmp_path, link=tmp_path / "link.de")
     places["file"].write_text("not a directory\n")
+    places["link"].symlink_to(places["file"] / "out.de")
     argv = ["--workdir", tmp_path, "--split", "val", *(f.format(**places) for f in flags)]
     code = evaluate.main([str(a) for a in argv], load=_no_decoding)
     err = capsys.readouterr().err
@@ -724,13 +875,18 @@ def test_a_run_whose_data_moved_or_is_not_recorded_is_a_data_error(tmp_path, mon
         evaluate.load_sources_and_references(args, _run_config(tmp_path / "no_data"))
 
 
-@pytest.mark.parametrize("flag", ["--src-file", "--ref-file"])
-def test_output_onto_an_input_file_is_refused_before_decoding(flag, tmp_path, capsys):
+@pytest.mark.parametrize("flag", ["--src-file", "--ref-file", "--input"])
+def test_output_onto_an_input_file_is_refused_before_decoding(flag, tmp_path, capsys, monkeypatch):
     src, ref = tmp_path / "src.en", tmp_path / "ref.de"
     src.write_text("a\n", encoding="utf-8")
     ref.write_text("b\n", encoding="utf-8")
-    target = src if flag == "--src-file" else ref
-    argv = ["--workdir", tmp_path, "--src-file", src, "--ref-file", ref, "--output", target]
+    inputs = ["--src-file", src, "--ref-file", ref]
+    if flag == "--input":
+        inputs = ["--translate", "--input", src]
+    # The same file spelled otherwise: the input's full path, the output's from here.
+    monkeypatch.chdir(tmp_path)
+    target = ref.name if flag == "--ref-file" else src.name
+    argv = ["--workdir", tmp_path, *inputs, "--output", target]
     code = evaluate.main([str(a) for a in argv], load=_no_decoding)
     err = capsys.readouterr().err
     assert code == 2 and f"is the {flag} file" in err and err.count("\n") == 1, err
@@ -804,12 +960,15 @@ def test_greedy_with_beam_settings_is_refused_not_ignored(flags, capsys):
 
 
 @pytest.mark.parametrize("lang", ["en", "de"])
-def test_output_onto_a_file_of_the_split_is_refused_before_decoding(lang, tmp_path, capsys):
+def test_output_onto_a_file_of_the_split_is_refused_before_decoding(
+    lang, tmp_path, capsys, monkeypatch
+):
     # It overwrote the references, and the next evaluation scored BLEU 100.
     for name, text in (("test2016.en", "a\n"), ("test2016.de", "b\n")):
         (tmp_path / name).write_text(text, encoding="utf-8")
     run = _run_config(tmp_path / "run", data={"dataset": "files", "data_dir": str(tmp_path)})
-    target = tmp_path / f"test2016.{lang}"
+    monkeypatch.chdir(run)  # the file named otherwise than config.json's full path
+    target = Path("..", f"test2016.{lang}")
     argv = ["--workdir", run, "--split", "test2016", "--output", target]
     code = evaluate.main([str(a) for a in argv], load=_no_decoding)
     err = capsys.readouterr().err
@@ -1007,3 +1166,29 @@ def test_running_out_of_memory_while_decoding_names_the_flags(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1, err
     assert err.startswith("error: out of memory (RESOURCE_EXHAUSTED") and "--beam" in err
+
+
+def test_the_memory_advice_names_the_longest_line_where_it_is_decoded_alone():
+    # Two lines of one padded length share a batch while --max-tokens holds both, and
+    # lowering --max-tokens still helps; one token less and each is decoded alone.
+    lines = [[5] * 100, [5] * 100]
+    padded = inference_length(100)
+    for max_tokens, alone in ((2 * padded, False), (2 * padded - 1, True)):
+        batches = list(translate.decoding_batches(lines, max_tokens=max_tokens, pad_id=0))
+        assert len(batches) == (2 if alone else 1)
+        advice = evaluate._memory_advice(argparse.Namespace(max_tokens=max_tokens), lines)
+        assert ("source line 1 (100 tokens) is decoded alone" in advice) == alone, advice
+
+
+def test_the_compilation_cache_flags_choose_where_compiled_programs_go(
+    workdir, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRANSFORMER_MT_CACHE", str(tmp_path / "root"))
+    curve = ["--workdir", workdir, "--plot-curve", tmp_path / "curve.png"]
+    code, _, err = _run([*curve, "--no-compilation-cache"], capsys)
+    assert code == 0 and not (tmp_path / "root").exists(), err  # no cache made
+    code, _, err = _run([*curve, "--compilation-cache", tmp_path / "xla"], capsys)
+    assert code == 0 and (tmp_path / "xla").is_dir() and not (tmp_path / "root").exists(), err
+    code, _, err = _run(curve, capsys)
+    assert code == 0 and (tmp_path / "root" / "xla").is_dir(), err  # the default
