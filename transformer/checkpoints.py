@@ -628,8 +628,8 @@ class Checkpoints:
         """Rewrites entries of the saved meta item of `step` (as `update_meta` does), for
         what a resume from it must know that was not known at the save (a validation a
         stop skipped has been run since)."""
-
-        self._rewrite_saved(step, f"meta/{_META_FILE}", lambda path: _merged(path, changes))
+        merged = lambda path: json.dumps(_merged(path, changes))  # noqa: E731
+        self._rewrite_saved(step, f"meta/{_META_FILE}", merged)
 
     def _rewrite_saved(self, step: int, file: str, content: Callable[[Path], str]) -> None:
         """Replaces `file` (where Orbax's save wrote it) of the saved checkpoint of `step`
@@ -953,16 +953,17 @@ def update_meta(workdir: str | os.PathLike, step: int, changes: dict[str, Any]) 
       CheckpointError: no checkpoint at `step`.
     """
     path = _meta_item(workdir, step) / _META_FILE
-    write_text_atomically(path, _merged(path, changes))
-    return read_meta(workdir, step)
+    meta = _merged(path, changes)
+    write_text_atomically(path, json.dumps(meta))
+    return meta
 
 
 _META_FILE = "metadata"  # the file of a checkpoint's "meta" item, where Orbax's JsonSave writes it
 
 
-def _merged(path: Path, changes: dict[str, Any]) -> str:
+def _merged(path: Path, changes: dict[str, Any]) -> dict[str, Any]:
     """The JSON object of `path` with `changes` replacing (or joining) its entries."""
-    return json.dumps({**json.loads(path.read_text(encoding="utf-8")), **changes})
+    return {**json.loads(path.read_text(encoding="utf-8")), **changes}
 
 
 class _Unreadable(CheckpointError):
