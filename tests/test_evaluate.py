@@ -4,6 +4,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -424,6 +425,27 @@ def test_a_full_disk_is_one_line_that_promises_no_training(workdir, tmp_path, ca
     assert err.splitlines()[-1] == (
         "error: /dev/full: No space left on device; make room there and run the same command again"
     )
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs a file size limit")
+def test_a_failed_write_of_output_keeps_the_old_translations_whole(workdir, tmp_path, capsys):
+    # A file size limit (as a quota gives) lets a write stop part way, whoever writes: the
+    # old file must stay as it was, not be cut to the part of the new one that fitted.
+    hyp = tmp_path / "hyp.de"
+    hyp.write_text("the translations of before\n", encoding="utf-8")
+    argv = ["--workdir", workdir, "--split", "val", "--greedy", *FAST[2:], "--output", hyp]
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not a killed process
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, limits[1]))
+        code, out, err = _run([*argv, "--no-compilation-cache"], capsys)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+    assert hyp.read_text(encoding="utf-8") == "the translations of before\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hyp.de"]  # no temporary file left
+    assert code == 2 and out == "", err
+    assert err.splitlines()[-1] == f"error: {hyp}: File too large", err
 
 
 def test_attention_plots_are_png_files(workdir, tmp_path, capsys):
