@@ -856,3 +856,324 @@ def test_the_log_filter_drops_asyncios_records_of_a_damaged_checkpoints_other_re
     assert damaged.getMessage().startswith("Future exception was never retrieved")
     assert not checkpoints._not_from_orbax(damaged)
     assert checkpoints._not_from_orbax(other)
+
+
+def test_a_bleu_read_by_hand_as_a_string_ranks_as_its_number_in_the_keep_policy(tmp_path, params):
+    # A metrics file written back by hand, as its error message asks, may quote the BLEU:
+    # best_step reads it as a number, and so must the rotation at the next saves.
+    with Checkpoints(tmp_path, keep=1) as ckpts:
+        ckpts.save(2, params, _OPT, {}, val_bleu=30.5)
+    (tmp_path / "checkpoints" / "2" / "metrics" / "metrics").write_text('{"val_bleu": "30.5"}')
+    with Checkpoints(tmp_path, keep=1) as ckpts:
+        ckpts.save(4, params, _OPT, {}, val_bleu=20.0)
+        ckpts.save(6, params, _OPT, {})
+        assert ckpts.steps() == [2, 6] and ckpts.best_step() == 2
+
+
+def test_a_stops_checkpoint_is_not_ranked_for_the_best(tmp_path, params):
+    # Its metrics say "interim", not a BLEU: a run stopped before any validation has no
+    # best (the Trainer reads the best step's val_bleu), and --checkpoint best says so.
+    with Checkpoints(tmp_path, keep=2) as ckpts:
+        ckpts.save(2, params, _OPT, {})
+        ckpts.save(3, _shifted(params, 3), _OPT, {}, interim=True)
+        assert ckpts.ranked_steps() == [] and ckpts.best_step() is None
+    chosen = restore_chosen(tmp_path, "best")
+    assert chosen.step == 3 and chosen.label == "the newest: no checkpoint has a validation BLEU"
+
+
+def test_a_save_writes_its_step_even_below_the_newest_and_records_that_step(tmp_path, params):
+    # "no-op if it exists" only: Orbax by itself skips a step not above its newest one.
+    # The meta item says the checkpoint's own step, whatever "step" the meta given holds
+    # (e.g. a meta read back from another checkpoint).
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(4, params, _OPT, {"rng": [0, 4]})
+        ckpts.save(2, _shifted(params, 2), _OPT, {"rng": [0, 2], "step": 4})
+        assert ckpts.steps() == [2, 4]
+        assert ckpts.restore(2, params, _OPT).meta == {"rng": [0, 2], "step": 2}
+    assert read_meta(tmp_path, 2)["step"] == 2
+
+
+def test_a_numpy_bleu_is_saved_and_recorded_as_a_number(tmp_path, params):
+    # A BLEU computed as a numpy scalar (float32 is not JSON) scores the checkpoint.
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(2, params, _OPT, {}, val_bleu=np.float32(27.5))
+        ckpts.save(4, params, _OPT, {})
+        ckpts.record_bleu(4, np.float32(28.5))
+        assert ckpts.metrics(2) == {"val_bleu": 27.5} and ckpts.metrics(4) == {"val_bleu": 28.5}
+        assert ckpts.ranked_steps() == [4, 2]
+
+
+def test_record_meta_changes_the_given_entries_and_keeps_the_others(tmp_path, params):
+    # As a resume reads it: the rest of the meta item (rng, data position) is untouched.
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(
+            2, params, _OPT, {"rng": [0, 2], "data": {"epoch": 1}, "validation_skipped": True}
+        )
+        ckpts.record_meta(2, {"validation_skipped": False})
+        restored = ckpts.restore_latest(params, _OPT)
+    expected = {"rng": [0, 2], "data": {"epoch": 1}, "validation_skipped": False, "step": 2}
+    assert restored.meta == expected
+
+
+def test_a_bleu_recorded_right_after_a_background_save_waits_for_it(tmp_path, params):
+    # The rewrite goes where the finished save is, not into a folder the save then meets.
+    with Checkpoints(tmp_path, keep=3, async_save=True) as ckpts:
+        big = jax.tree.map(lambda x: np.tile(x, (64,) + (1,) * (x.ndim - 1)), params)
+        ckpts.save(2, big, _OPT, {"rng": [0, 2]})
+        ckpts.record_bleu(2, 31.0)
+        ckpts.record_meta(2, {"validation_skipped": False})
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        assert ckpts.steps() == [2] and ckpts.metrics(2) == {"val_bleu": 31.0}
+    assert read_meta(tmp_path, 2) == {"rng": [0, 2], "validation_skipped": False, "step": 2}
+
+
+def test_a_rewrite_is_one_process_writing_then_every_process_at_a_barrier(
+    tmp_path, params, monkeypatch
+):
+    # Several hosts: no process goes on (and reads the file) before process 0 rewrote it.
+    events = []
+    write = checkpoints.write_text_atomically
+    monkeypatch.setattr(
+        checkpoints,
+        "write_text_atomically",
+        lambda path, text: (events.append(("write", Path(path).parent.name)), write(path, text)),
+    )
+    monkeypatch.setattr(
+        ocp.multihost, "sync_global_processes", lambda name, *a, **k: events.append(("sync",))
+    )
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(2, params, _OPT, {"rng": [0, 2]})
+        events.clear()
+        ckpts.record_bleu(2, 31.0)
+        ckpts.record_meta(2, {"validation_skipped": False})
+        assert events == [("write", "metrics"), ("sync",), ("write", "meta"), ("sync",)]
+        monkeypatch.setattr(jax, "process_index", lambda: 1)  # another host writes nothing
+        events.clear()
+        ckpts.record_bleu(2, 5.0)
+        assert events == [("sync",)]
+
+
+def test_a_full_disk_when_a_bleu_is_recorded_is_one_line(tmp_path, params, monkeypatch):
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(2, params, _OPT, {"rng": [0, 2]})
+
+        def full(path, text):
+            raise OSError(28, "No space left on device", str(path))
+
+        monkeypatch.setattr(checkpoints, "write_text_atomically", full)
+        with pytest.raises(CheckpointWriteError, match="no space left on device; make room"):
+            ckpts.record_bleu(2, 31.0)
+
+
+def test_without_the_optimizer_states_metadata_the_runs_own_form_is_restored(tmp_path, params):
+    # The Trainer offers the other optimizer forms; with no metadata to pick by, the
+    # restore takes this run's form, not another one (which read as damage).
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(1, params, _OPT, {"rng": [0, 1]})
+        ckpts.save(2, params, _OPT, {"rng": [0, 2]})
+    (tmp_path / "checkpoints" / "2" / "opt_state" / "_METADATA").unlink()
+    other = {"count": np.zeros((), np.int32), "momentum": np.zeros(3, np.float32)}
+    warnings = []
+    with Checkpoints(tmp_path, keep=3, log=warnings.append) as ckpts:
+        restored = ckpts.restore_latest(params, _OPT, [(other, lambda saved: _OPT)])
+    assert warnings == [] and restored.step == 2 and set(restored.opt_state) == {"count"}
+
+
+def test_a_read_only_resume_past_a_damaged_checkpoint_moves_nothing(tmp_path, params):
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(1, params, _OPT, {"rng": [0, 1]})
+        ckpts.save(2, params, _OPT, {"rng": [0, 2]})
+    damage_checkpoint(tmp_path / "checkpoints" / "2")
+    warnings = []
+    with Checkpoints(tmp_path, read_only=True, log=warnings.append) as ckpts:
+        assert ckpts.restore_latest(params, _OPT).step == 1
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]
+    assert len(warnings) == 1 and "kept as" not in warnings[0]
+    assert warnings[0].endswith("; trying the one before it")
+
+
+def test_a_resume_sets_every_damaged_newer_checkpoint_aside(tmp_path, params):
+    # Two newest damaged: each is reported and renamed, so that training saves both again
+    # (a damaged 2 left in place would make the save of step 2 a no-op).
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        for step in (1, 2, 3):
+            ckpts.save(step, params, _OPT, {"rng": [0, step]})
+    for step in (2, 3):
+        damage_checkpoint(tmp_path / "checkpoints" / str(step))
+    warnings = []
+    with Checkpoints(tmp_path, keep=3, log=warnings.append) as ckpts:
+        assert ckpts.restore_latest(params, _OPT).step == 1
+        assert ckpts.steps() == [1]
+    assert [w.split(" in ")[0] for w in warnings] == ["checkpoint step 3", "checkpoint step 2"]
+    assert "kept as 3.damaged" in warnings[0] and "kept as 2.damaged" in warnings[1]
+
+
+def test_a_step_damaged_a_second_time_is_set_aside_beside_the_first(tmp_path, params):
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(1, params, _OPT, {"rng": [0, 1]})
+        ckpts.save(2, params, _OPT, {"rng": [0, 2]})
+    for kept_as in ("2.damaged", "2.damaged.2"):
+        damage_checkpoint(tmp_path / "checkpoints" / "2")
+        warnings = []
+        with Checkpoints(tmp_path, keep=3, log=warnings.append) as ckpts:
+            assert ckpts.restore_latest(params, _OPT).step == 1
+            ckpts.save(2, params, _OPT, {"rng": [0, 2]})  # trained again
+        assert f"kept as {kept_as};" in warnings[0]
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["1", "2", "2.damaged", "2.damaged.2"]
+
+
+def test_a_damaged_checkpoint_that_cannot_be_renamed_is_one_line(tmp_path, params, monkeypatch):
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(1, params, _OPT, {"rng": [0, 1]})
+        ckpts.save(2, params, _OPT, {"rng": [0, 2]})
+    damage_checkpoint(tmp_path / "checkpoints" / "2")
+
+    def denied(self, target):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "rename", denied)
+    with (
+        Checkpoints(tmp_path, keep=3, log=lambda _: None) as ckpts,
+        pytest.raises(CheckpointError) as info,
+    ):
+        ckpts.restore_latest(params, _OPT)
+    assert str(info.value) == (
+        f"checkpoint step 2 in {tmp_path / 'checkpoints'} is damaged and cannot be renamed to "
+        "2.damaged (Permission denied); move or delete it, then resume"
+    )
+
+
+def test_a_damaged_metrics_file_of_a_step_without_a_logged_bleu_says_to_write_no_bleu(
+    tmp_path, params
+):
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(2, params, _OPT, {}, val_bleu=30.5)
+    path = tmp_path / "checkpoints" / "2" / "metrics" / "metrics"
+    path.write_text("{")
+    with pytest.raises(CheckpointError) as info:
+        Checkpoints(tmp_path, read_only=True)
+    assert str(info.value).endswith(
+        f"{path}; write {{}} (metrics.jsonl logged no BLEU there) into it and run the same "
+        "command again"
+    )
+
+
+def test_metrics_records_skip_lines_that_are_not_records(tmp_path):
+    # A damaged or edited metrics.jsonl: JSON that is no record, a step that is no
+    # integer, bytes that are not UTF-8; the records around them are kept.
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(
+        b'{"step": 1, "loss": 2.0}\n5\n[1]\n{"loss": 1.0}\n{"step": "3"}\n\xff\xfe\n'
+        b'{"step": 4, "loss": 1.5}\n'
+    )
+    assert checkpoints.metrics_records(path) == [
+        {"step": 1, "loss": 2.0},
+        {"step": 4, "loss": 1.5},
+    ]
+
+
+def test_a_read_error_of_exactly_the_limit_or_of_no_text_is_whole():
+    from transformer.checkpoints import _first_line
+
+    assert _first_line(ValueError("x" * 200)) == "x" * 200
+    assert _first_line(OSError()) == ""  # e.g. a bare OSError() from a damaged read
+
+
+def test_a_workdir_without_checkpoints_has_none_to_list_or_update(tmp_path, params):
+    assert checkpoint_steps(tmp_path / "never_trained") == []
+    (tmp_path / "checkpoints").mkdir()
+    assert checkpoint_steps(tmp_path) == []
+    with pytest.raises(CheckpointError, match=r"no checkpoint at step 4 in .*; available: none$"):
+        update_meta(tmp_path, 4, {"rng": [0, 0]})
+    with pytest.raises(CheckpointError, match=r"^no checkpoints in .*; train with train.py first$"):
+        restore_params(tmp_path, "last")
+
+
+def test_a_best_that_cannot_be_read_is_tried_once(tmp_path, params):
+    # Every checkpoint damaged: one warning per checkpoint, then the error of the last one.
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(1, params, _OPT, {}, val_bleu=30.0)
+        ckpts.save(2, params, _OPT, {})
+    for step in (1, 2):
+        damage_checkpoint(tmp_path / "checkpoints" / str(step))
+    warnings = []
+    with pytest.raises(CheckpointError, match="checkpoint step 2 in .* cannot be read"):
+        restore_params(tmp_path, "best", log=warnings.append)
+    assert len(warnings) == 1 and warnings[0].startswith("checkpoint step 1 in ")
+    assert warnings[0].endswith("; trying the newest one left")
+
+
+def test_an_average_is_the_exact_mean_rounded_once_to_float32():
+    # Summed in float32, 1 + 2**-24 + 2**-24 loses both small terms.
+    trees = [{"w": np.float32(x)} for x in (1.0, 2.0**-24, 2.0**-24)]
+    assert average_params(trees)["w"] == np.float32((1.0 + 2.0**-23) / 3)
+    with pytest.raises(ValueError, match="needs at least one parameter tree"):
+        average_params([])
+
+
+def test_a_long_section_of_the_wrong_type_is_shown_to_40_characters(tmp_path):
+    config = {"model": {}, "train": "x" * 60}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=f"its 'train' section is \"{'x' * 39}, not an"):
+        load_run_config(tmp_path)
+
+
+@pytest.mark.parametrize("text", ["{", "[1]", "5"])
+def test_a_run_config_that_is_no_json_object_is_one_line(tmp_path, text):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match="is not valid JSON|has no 'model' section"):
+        load_run_config(tmp_path)
+
+
+def test_a_workdir_that_is_a_file_is_named_as_one(tmp_path):
+    (tmp_path / "notes").write_text("not a workdir")
+    with pytest.raises(CheckpointError, match=r"^workdir .*notes is a file, not a directory$"):
+        load_run_config(tmp_path / "notes")
+
+
+def test_the_software_changes_of_a_resume_are_against_the_last_record(tmp_path):
+    # Runs that were resumed before: the first record's versions are not today's.
+    first = {**software_environment(), "step": 0}
+    first["packages"] = {**first["packages"], "jaxlib": "0.0.1"}
+    last = {**software_environment(), "step": 4}
+    save_run_config(tmp_path, {"model": {}, "environments": [first, last]})
+    assert checkpoints.record_environment(tmp_path, 8) == []
+    assert [e["step"] for e in load_run_config(tmp_path)["environments"]] == [0, 4, 8]
+
+
+def test_only_the_closed_loop_error_of_a_late_read_is_dropped(monkeypatch):
+    # "Event loop is closed" from any other call than TensorStore's callback still shows.
+    import asyncio
+    import types
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon(print)
+    except RuntimeError as e:
+        elsewhere = e
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    monkeypatch.setattr(checkpoints, "_stray_reads_dropped", False)
+    checkpoints._drop_stray_read_errors()
+    traceback = elsewhere.__traceback__.tb_next  # in call_soon, not call_soon_threadsafe
+    assert str(elsewhere) == "Event loop is closed" and traceback is not None
+    unraisable = types.SimpleNamespace(
+        exc_type=RuntimeError, exc_value=elsewhere, exc_traceback=traceback, err_msg=None,
+        object=None,
+    )  # fmt: skip
+    sys.unraisablehook(unraisable)
+    assert seen == [unraisable]
+
+
+def test_a_run_file_is_known_through_a_link_to_it_or_to_its_workdir(tmp_path):
+    # e.g. evaluate.py --output onto the workdir's config.json by a linked folder's name
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (tmp_path / "run_link").symlink_to(workdir)
+    (tmp_path / "config_link.json").symlink_to(workdir / "config.json")
+    assert checkpoints.is_run_file(workdir, tmp_path / "run_link" / "config.json")
+    assert checkpoints.is_run_file(tmp_path / "run_link", workdir / "checkpoints" / "2")
+    assert checkpoints.is_run_file(workdir, tmp_path / "config_link.json")
+    assert not checkpoints.is_run_file(workdir, tmp_path / "run_link" / "translations.txt")
