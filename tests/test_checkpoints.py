@@ -219,10 +219,13 @@ def test_best_falls_back_to_last_without_scores(tmp_path, params):
     assert restore_params(tmp_path)[1] == 20
 
 
-@pytest.mark.parametrize("damage", ["", "{", "[1]"])
+@pytest.mark.parametrize(
+    "damage", ["", "{", "[1]", '{"val_bleu": "abc"}', '{"val_bleu": null}', '{"val_bleu": [30.5]}']
+)
 def test_a_damaged_metrics_file_is_one_line_naming_the_bleu_to_write_back(tmp_path, params, damage):
     # Orbax reads every step's metrics when it opens the folder: a damaged one was a
-    # JSONDecodeError traceback for evaluate.py (any --checkpoint) and train.py alike.
+    # JSONDecodeError traceback for evaluate.py (any --checkpoint) and train.py alike, and
+    # a BLEU that is no number a ValueError or TypeError where the steps are ranked.
     with Checkpoints(tmp_path, keep=3) as ckpts:
         ckpts.save(2, params, _OPT, {"rng": [0, 2]}, val_bleu=30.5)
         ckpts.save(4, params, _OPT, {"rng": [0, 4]}, val_bleu=20.0)

@@ -828,7 +828,8 @@ class Checkpoints:
 
 def _check_metrics_files(workdir: str | os.PathLike, directory: Path) -> None:
     """A one-line CheckpointError where a checkpoint's metrics file (its validation BLEU)
-    is not a JSON object, or is missing where metrics.jsonl logged a BLEU for its step.
+    is not a JSON object, holds a BLEU that is not a number, or is missing where
+    metrics.jsonl logged a BLEU for its step.
 
     Orbax reads every metrics file when it opens the folder: a damaged one was a
     JSONDecodeError traceback for every command on the run. A missing one made the
@@ -863,9 +864,12 @@ def _check_metrics_files(workdir: str | os.PathLike, directory: Path) -> None:
                 )
             continue
         try:
-            if isinstance(json.loads(path.read_text(encoding="utf-8")), dict):
+            metrics = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(metrics, dict):
+                if BEST_METRIC in metrics:
+                    float(metrics[BEST_METRIC])  # ranked as a number at every save and load
                 continue
-        except (OSError, ValueError):
+        except (OSError, ValueError, TypeError):
             pass
         bleu = logged_bleu(int(step.name))
         if bleu is not None:
