@@ -30,7 +30,7 @@ GLOBAL_BATCH = 8
 VOCAB = 40
 OPTIMIZERS = ("sgd", "adam")
 DEVICE_COUNTS = (1, 2, 4)
-METRICS = ("losses", "grad_norms", "val")
+METRICS = ("losses", "grad_norms", "num_tokens", "val")
 
 
 def _global_batches(seed: int = 0) -> list[dict[str, np.ndarray]]:
@@ -92,13 +92,14 @@ def _worker(out_dir: str) -> None:
                 for batch in _global_batches()
             ]
             val = evaluate_loss(eval_step, state.params, shards)
-            losses, grad_norms = [], []
+            losses, grad_norms, num_tokens = [], [], []
             for batch in _global_batches():
                 sharded = {k: v.reshape(num_devices, -1, v.shape[1]) for k, v in batch.items()}
                 state, metrics = step(state, sharded)
                 metrics = unreplicate(metrics)
                 losses.append(metrics["loss"])
                 grad_norms.append(metrics["grad_norm"])
+                num_tokens.append(metrics["num_tokens"])  # weighs the log window: the global count
             updates = jax.tree.map(
                 lambda new, old: new - old, unreplicate(state.params), initial.params
             )
@@ -110,6 +111,7 @@ def _worker(out_dir: str) -> None:
                 Path(out_dir) / f"{name}_{num_devices}.npz",
                 losses=np.array(losses),
                 grad_norms=np.array(grad_norms),
+                num_tokens=np.array(num_tokens),
                 val=np.array([val["val_loss"], val["val_nll"]]),
                 **flat,
             )

@@ -925,3 +925,251 @@ def test_tensorboard_shows_the_records_of_metrics_jsonl_after_a_resume(tmp_path)
     shown = sorted(_tensorboard_scalars(tmp_path))
     assert [p[:2] for p in shown] == sorted(p[:2] for p in expected)
     assert [p[2] for p in shown] == pytest.approx([p[2] for p in sorted(expected)], rel=1e-6)
+
+
+def test_bfloat16_logits_give_the_float32_loss():
+    # A library caller may pass a bfloat16 model's logits: the loss is still computed and
+    # summed in float32, as documented (bfloat16's logsumexp over the vocabulary and sum
+    # over the tokens lose about two digits).
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(4, 16, 400)) * 4, jnp.bfloat16)
+    targets = jnp.asarray(rng.integers(1, 400, size=(4, 16)), jnp.int32)
+    loss_sum, _ = label_smoothed_cross_entropy(logits, targets, 0, 0.1)
+    expected, _ = label_smoothed_cross_entropy(logits.astype(jnp.float32), targets, 0, 0.1)
+    assert loss_sum.dtype == jnp.float32
+    assert float(loss_sum) == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_the_logged_gradient_norm_is_the_global_batchs_gradient_norm(tiny_setup):
+    # grad_norm (the log's, and the clipping's measure) is the norm of the gradient of the
+    # step's mean loss, not of the update Adam makes of it.
+    tokenizer, encoded, model_config = tiny_setup
+    model = Transformer(model_config)
+    optimizer = make_optimizer(TrainConfig(steps=10, **_RECIPE), model_config.d_model)
+    state = create_train_state(model, optimizer, seed=0)
+    batch = next(iter(_batcher(tokenizer, encoded)))
+    step = make_train_step(model, optimizer, label_smoothing=0.1, pad_id=tokenizer.pad_id)
+    _, metrics = step(replicate(state), batch)
+    src, tgt_in, tgt_out = (np.concatenate(batch[k]) for k in ("src", "tgt_in", "tgt_out"))
+
+    def mean_loss(params):
+        logits = model.apply({"params": params}, src, tgt_in)
+        loss_sum, n = label_smoothed_cross_entropy(logits, tgt_out, tokenizer.pad_id, 0.1)
+        return loss_sum / n
+
+    grads = jax.jit(jax.grad(mean_loss))(state.params)
+    norm = np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in jax.tree.leaves(grads)))
+    assert float(unreplicate(metrics)["grad_norm"]) == pytest.approx(norm, rel=1e-4)
+
+
+def test_the_validation_loss_is_the_mean_over_the_tokens_of_every_batch(tiny_setup):
+    # The validation figures are means over every real target token of the pass, each
+    # batch weighed by its tokens: not the last batch's, nor a mean of batch means.
+    tokenizer, encoded, model_config = tiny_setup
+    model = Transformer(model_config)
+    optimizer = make_optimizer(TrainConfig(steps=10, **_RECIPE), model_config.d_model)
+    params = replicate(create_train_state(model, optimizer, seed=0).params)
+    batcher = data.TokenBatcher(
+        encoded,
+        max_tokens=256,  # several batches of a few sentences each
+        num_devices=jax.local_device_count(),
+        pad_id=tokenizer.pad_id,
+        bos_id=tokenizer.bos_id,
+        max_shapes=1,
+    )
+    batches = [next(batcher) for _ in range(3)]
+    tokens = [int(np.sum(b["tgt_out"] != tokenizer.pad_id)) for b in batches]
+    assert len(set(tokens)) == 3  # batches of other weights
+    eval_step = make_eval_step(model, label_smoothing=0.1, pad_id=tokenizer.pad_id)
+    alone = [evaluate_loss(eval_step, params, [b]) for b in batches]
+    val = evaluate_loss(eval_step, params, batches)
+    for name in ("val_loss", "val_nll"):
+        expected = np.dot([v[name] for v in alone], tokens) / sum(tokens)
+        assert val[name] == pytest.approx(expected, rel=1e-6)
+    assert val["val_ppl"] == pytest.approx(math.exp(val["val_nll"]), rel=1e-6)
+
+
+def _sums(loss_sum, nll_sum, num_tokens):
+    """An eval step's output for `evaluate_loss`: one device's summed figures."""
+    return lambda params, batch: {
+        "loss_sum": np.float32(loss_sum),
+        "nll_sum": np.float32(nll_sum),
+        "num_tokens": np.int32(num_tokens),
+    }
+
+
+def test_a_diverged_or_empty_validation_gives_figures_not_an_error():
+    # A diverged model's nll of 1000 nats per token: the perplexity is capped (e^50), not
+    # an OverflowError that ends the run; a validation without a target token is zeros.
+    val = evaluate_loss(_sums(1000.0, 1000.0, 1), None, [{}])
+    assert (val["val_loss"], val["val_nll"]) == (1000.0, 1000.0)
+    assert val["val_ppl"] == math.exp(50.0)
+    assert evaluate_loss(_sums(0.0, 0.0, 0), None, [{}]) == {
+        "val_loss": 0.0, "val_nll": 0.0, "val_ppl": 1.0
+    }  # fmt: skip
+
+
+def test_validation_bleu_scores_greedy_translations_against_the_references(monkeypatch):
+    # The BLEU of the run's curve is sacreBLEU's corpus score of greedy translations made
+    # with the run's decoding token budget, the references as the one reference stream.
+    import sacrebleu
+
+    from transformer import translate
+
+    asked = []
+    hypotheses = ["a man rides a horse .", "two dogs play ."]
+    references = ["a man rides a brown horse on the beach .", "two dogs play in the snow ."]
+
+    def fake_translate(model, params, tokenizer, sentences, **settings):
+        asked.append((list(sentences), settings))
+        return hypotheses
+
+    monkeypatch.setattr(translate, "translate", fake_translate)
+    score = training.evaluate_bleu(None, None, None, ("s1", "s2"), references, max_tokens=7)
+    assert asked == [(["s1", "s2"], {"greedy": True, "max_tokens": 7})]
+    assert score == sacrebleu.corpus_bleu(hypotheses, [references]).score
+    assert score != sacrebleu.corpus_bleu(references, [hypotheses]).score  # brevity penalty
+
+
+def test_a_log_of_another_process_writes_and_drops_nothing(tmp_path):
+    # Only the first process of a multi-host run keeps metrics.jsonl: the others neither
+    # add their (identical) records nor cut the file at their resume step.
+    path = _metrics_file(tmp_path, range(1, 5))
+    before = path.read_text()
+    other = MetricsLog(tmp_path, resume_step=2, enabled=False)
+    other.write(3, {"loss": 1.0})
+    other.close()
+    assert path.read_text() == before
+    assert len(list(tmp_path.glob("events.out.tfevents*"))) == 1
+
+
+def test_a_trainers_cooldown_ends_at_the_total_steps_it_is_given(tiny_setup, tmp_path):
+    # total_steps, when given, is the run's end (an epochs run's, or more steps than the
+    # config's); an epochs config needs it only for a cooldown, and says so.
+    tokenizer, _, model_config = tiny_setup
+    config = TrainConfig(steps=8, cooldown=0.5, **_RECIPE)
+    trainer = Trainer(model_config, config, tmp_path, pad_id=tokenizer.pad_id, total_steps=12)
+    trainer.close()
+    expected = learning_rate_schedule(model_config.d_model, 10, 0.3, total_steps=12, cooldown=0.5)
+    for count in (0, 5, 7, 8, 11, 12):
+        assert float(trainer.schedule(count)) == float(expected(count))
+    epochs = TrainConfig(epochs=2, **_RECIPE)
+    trainer = Trainer(model_config, epochs, tmp_path, pad_id=tokenizer.pad_id)
+    trainer.close()
+    assert float(trainer.schedule(3)) == float(
+        learning_rate_schedule(model_config.d_model, 10, 0.3)(3)
+    )
+    with pytest.raises(ValueError, match="^a cooldown needs total_steps"):
+        Trainer(model_config, epochs.replace(cooldown=0.1), tmp_path, pad_id=tokenizer.pad_id)
+
+
+def test_each_record_is_a_line_without_a_bar_and_other_processes_show_neither(
+    tiny_setup, tmp_path, capsys
+):
+    # Without a progress bar (a log file) each record is a line of its figures; a process
+    # other than the first prints no bar and no line. No validation data: a run whose
+    # validation schedule is due trains without it. The last loss is the smoothed loss.
+    lines = []
+    schedule = dict(eval_every=2, label_smoothing=0.1)
+    trainer, batcher = _eight_step_trainer(tiny_setup, tmp_path / "main", lines.append, **schedule)
+    result = trainer.run(with_data_state(batcher), 8)
+    trainer.close()
+    records = read_metrics(tmp_path / "main")
+    assert [r["step"] for r in records] == [4, 8]
+    assert not any(key.startswith("val_") for r in records for key in r)
+    assert lines == [
+        f"step {r['step']}/8: loss {r['loss']:.3f}, lr {r['lr']:.2e}, "
+        f"{r['tokens_per_s']:,.0f} target tokens/s"
+        for r in records
+    ]
+    assert result.last_loss == records[-1]["loss"] != records[-1]["nll"]
+    assert "8/8" not in capsys.readouterr().err
+    tokenizer, encoded, model_config = tiny_setup
+    for main, workdir in ((True, tmp_path / "bar"), (False, tmp_path / "other")):
+        lines.clear()
+        trainer = Trainer(
+            model_config, trainer.config, workdir, pad_id=tokenizer.pad_id, log=lines.append,
+            is_main_process=main,
+        )  # fmt: skip
+        batcher = _batcher(tokenizer, encoded)
+        trainer.restore_or_init(batcher)
+        trainer.run(with_data_state(batcher), 8)
+        trainer.close()
+        bar = capsys.readouterr().err
+        assert lines == [] and ("8/8" in bar) == main
+        assert bool(read_metrics(workdir)) == main  # metrics.jsonl is the first process's
+
+
+def test_a_run_whose_batches_run_out_ends_there_and_saves_that_step(tiny_setup, tmp_path):
+    trainer, batcher = _eight_step_trainer(tiny_setup, tmp_path)
+    batches = with_data_state(batcher)
+    result = trainer.run(iter([next(batches) for _ in range(5)]), 8)
+    trainer.close()
+    assert (result.step, result.interrupted) == (5, False)
+    assert checkpoint_steps(tmp_path) == [4, 5]
+
+
+def test_a_validation_a_stop_skipped_is_made_up_as_the_resumed_schedules_say(
+    tiny_setup, tmp_path, monkeypatch
+):
+    # The stop at step 4 skips the validation loss due there (BLEU is due at 8 only). The
+    # resume makes up the loss, and no BLEU the schedule did not call for; a resume whose
+    # schedule no longer calls for a validation at step 4 makes up none.
+    monkeypatch.setattr(training, "evaluate_bleu", lambda *args, **kwargs: 7.5)
+    validation = _one_batch_validation(tiny_setup, sources=["a"], references=["b"])
+    for eval_every, expected in ((4, [(4, False), (8, True)]), (0, [(8, True)])):
+        workdir = tmp_path / str(eval_every)
+        trainer, batcher = _eight_step_trainer(tiny_setup, workdir, eval_every=4, bleu_every=8)
+        stop = threading.Event()
+        batches = _stop_at(4, with_data_state(batcher), stop)
+        assert trainer.run(batches, 8, validation, stop_event=stop).step == 4
+        trainer.close()
+        assert not any("val_loss" in r for r in read_metrics(workdir))
+        trainer, batcher = _eight_step_trainer(
+            tiny_setup, workdir, eval_every=eval_every, bleu_every=8
+        )
+        trainer.run(with_data_state(batcher), 8, validation)
+        trainer.close()
+        val = [(r["step"], "val_bleu" in r) for r in read_metrics(workdir) if "val_loss" in r]
+        assert val == expected
+
+
+def test_a_resume_from_a_validated_step_does_not_validate_it_again(tiny_setup, tmp_path):
+    # A run ended at step 4 ran the validation due there: resumed to 8, its metrics.jsonl
+    # holds one validation record a step, as the run never stopped does.
+    validation = _one_batch_validation(tiny_setup)
+    for steps in (4, 8):
+        trainer, batcher = _eight_step_trainer(tiny_setup, tmp_path, eval_every=4)
+        trainer.run(with_data_state(batcher), steps, validation)
+        trainer.close()
+    assert [r["step"] for r in read_metrics(tmp_path) if "val_loss" in r] == [4, 8]
+
+
+def test_throughput_after_a_validation_between_two_records_counts_only_the_later_steps(
+    tiny_setup, tmp_path, monkeypatch
+):
+    # Validation at steps 2 and 6, records at 4 and 8: each record's tokens_per_s is the
+    # target tokens of the 2 steps after the validation over their 2 s (1 s per batch,
+    # 1000 s per validation), not every step's tokens since the last record.
+    now = [1000.0]
+    monkeypatch.setattr(training, "time", types.SimpleNamespace(time=lambda: now[0]))
+    tokenizer, encoded, _ = tiny_setup
+    tokens = []
+
+    def timed(batches):
+        for batch, state in batches:
+            now[0] += 1.0
+            tokens.append(int(np.sum(batch["tgt_out"] != tokenizer.pad_id)))
+            yield batch, state
+
+    def slow_batches():
+        now[0] += 1000.0
+        return [next(iter(_batcher(tokenizer, encoded)))]
+
+    trainer, batcher = _eight_step_trainer(tiny_setup, tmp_path, eval_every=2)
+    trainer.run(timed(with_data_state(batcher)), 8, ValidationData(batches=slow_batches))
+    trainer.close()
+    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in records] == [4, 8]
+    expected = [sum(tokens[2:4]) / 2, sum(tokens[6:8]) / 2]
+    assert [r["tokens_per_s"] for r in records] == pytest.approx(expected, rel=1e-9)
