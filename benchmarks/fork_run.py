@@ -84,7 +84,13 @@ def fork(
             truncate_metrics(destination / METRICS_FILE, step)
         if dropout_key is not None:
             key = [int(x) for x in jax.device_get(seed_keys(dropout_key)[1]).ravel()]
-            if read_meta(destination, step).get("rng") == key:
+            meta = read_meta(destination, step)
+            if not isinstance(meta, dict):  # valid JSON, but damaged: one line, no traceback
+                raise ValueError(
+                    f"checkpoint {step} in {checkpoints} has a meta item that is no JSON "
+                    f"object: {str(meta)[:40]}"
+                )
+            if meta.get("rng") == key:
                 log(
                     f"warning: --dropout-key {dropout_key} is the key checkpoint {step} "
                     "already has: the fork repeats the base run"

@@ -146,3 +146,17 @@ def test_a_copy_that_fails_leaves_no_half_fork(tmp_path, capsys, monkeypatch):
         and err.count("\n") == 1
     )
     assert not (tmp_path / "fork").exists()
+
+
+def test_a_meta_item_that_is_no_json_object_is_one_line(tmp_path, capsys):
+    # A JSON list there was an AttributeError traceback when the dropout key was compared.
+    (tmp_path / "run" / "checkpoints" / "4" / "meta").mkdir(parents=True)
+    (tmp_path / "run" / "config.json").write_text("{}")
+    (tmp_path / "run" / "checkpoints" / "4" / "meta" / "metadata").write_text("[1, 2]")
+    run = [str(tmp_path / "run"), str(tmp_path / "fork"), "--step", "4", "--dropout-key", "1"]
+    assert fork_main(run) == 2
+    assert capsys.readouterr().err == (
+        f"error: checkpoint 4 in {tmp_path / 'run' / 'checkpoints'} has a meta item that is "
+        "no JSON object: [1, 2]\n"
+    )
+    assert not (tmp_path / "fork").exists()
