@@ -1,14 +1,19 @@
-"""The benchmark scripts reject bad flags up front, with one `error:` line, before timing."""
+"""The benchmark scripts reject bad flags up front, with one `error:` line, before timing;
+what they print is counted from what they ran (decode_speed, ab_step: with a fake clock)."""
 
 import ctypes
+import importlib
+import itertools
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
 from benchmarks import ab_step, decode_speed, profile_step, train_speed
+from tests.make_tiny_workdir import make_tiny_workdir
 
 
 def usage_error(main, argv, capsys) -> str:
@@ -30,13 +35,17 @@ def in_git_checkout() -> bool:
 def ab_step_keeps_malloc_as_it_is(monkeypatch):
     """ab_step.main imports this repository's modules afresh, so it calls the real
     keep_freed_host_memory, not conftest's stand-in; its mallopt calls are skipped here,
-    since one heap for good would slow every later compile of this test process."""
+    since one heap for good would slow every later compile of this test process. Gives
+    the list of the (param, value) pairs it was asked to set."""
+    calls = []
 
     class Libc:
         def mallopt(self, param, value):
+            calls.append((param, value))
             return 0
 
     monkeypatch.setattr(ctypes, "CDLL", lambda *args, **kwargs: Libc())
+    return calls
 
 
 @pytest.mark.skipif(not in_git_checkout(), reason="needs the git checkout's history")
@@ -56,6 +65,8 @@ def test_ab_step_needs_a_round(capsys):
 def test_decode_speed_rejects_an_unknown_mode(capsys):
     line = usage_error(decode_speed.main, ["--modes", "beam,gredy"], capsys)
     assert line.endswith("error: --modes: unknown mode 'gredy'; choose from beam, greedy")
+    line = usage_error(decode_speed.main, ["--modes", "bem,gredy"], capsys)
+    assert line.endswith("error: --modes: unknown mode 'bem'; choose from beam, greedy")
 
 
 def test_decode_speed_refuses_a_split_without_a_sentence_to_decode(multi30k_slice, capsys):
@@ -67,6 +78,13 @@ def test_decode_speed_refuses_a_split_without_a_sentence_to_decode(multi30k_slic
     out, err = capsys.readouterr()
     assert out == ""  # failed before a model was built
     assert err == "error: --split blank holds no source sentence to decode; choose another split\n"
+    # With --limit, the lines looked at are said.
+    argv = ["--data-dir", str(folder), "--split", "blank", "--limit", "2"]
+    assert decode_speed.main(argv) == 2
+    assert capsys.readouterr().err == (
+        "error: the first 2 lines of --split blank hold no source sentence to decode; "
+        "choose another split\n"
+    )
 
 
 def test_decode_speed_names_a_missing_split_in_one_line(multi30k_slice, capsys):
@@ -95,10 +113,20 @@ def test_train_speed_needs_a_timed_step(capsys):
         (["--limit", "-3"], "error: --limit and --max-extra-len cannot be negative"),
         (["--alpha", "nan"], "error: --alpha must be a finite number >= 0, got nan"),
         (["--alpha", "-5"], "error: --alpha must be a finite number >= 0, got -5.0"),
+        (["--alpha", "inf"], "error: --alpha must be a finite number >= 0, got inf"),
+        (["--max-extra-len", "-1"], "error: --limit and --max-extra-len cannot be negative"),
     ],
 )
 def test_decode_speed_rejects_sizes_it_cannot_decode_with(capsys, argv, message):
     assert usage_error(decode_speed.main, argv, capsys).endswith(message)
+
+
+def test_decode_speed_accepts_the_smallest_sizes_and_spaced_modes():
+    # alpha 0 is no length penalty; max-extra-len 0 decodes up to the source's length.
+    argv = ["--alpha", "0", "--max-extra-len", "0", "--beam", "1", "--max-tokens", "1"]
+    args = decode_speed.parse_args([*argv, "--modes", " greedy, beam "])
+    assert (args.alpha, args.max_extra_len, args.beam, args.max_tokens) == (0, 0, 1, 1)
+    assert args.modes == ["greedy", "beam"]
 
 
 def test_decode_speed_names_a_missing_workdir_in_one_line(tmp_path, capsys):
@@ -128,6 +156,7 @@ def test_ab_step_names_a_revision_git_does_not_know_and_exits_2(tmp_path, capsys
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: git archive nosuchrev: ") and err.count("\n") == 1
+    assert "fatal: " in err  # git's own reason
 
 
 @pytest.mark.parametrize(
@@ -227,3 +256,262 @@ def test_ab_step_refuses_a_revision_without_the_step_benchmark(
     ).stdout.split()[0]  # the first commit, from before benchmarks/train_speed.py
     line = usage_error(ab_step.main, [first, "HEAD", "--preset", "tiny"], capsys)
     assert f"error: {first} has no benchmarks/train_speed.py" in line
+
+
+@pytest.fixture(scope="module")
+def tiny_run(multi30k_dir, tmp_path_factory):
+    """A 2-step tiny workdir (it never ends a sentence) whose data folder has a split
+    "mixed" of 5 short lines, the second empty."""
+    workdir = make_tiny_workdir(tmp_path_factory.mktemp("decode") / "run", multi30k_dir)
+    mixed = ["A dog runs on the grass.", "", "A cat sleeps on a sofa.", "A man rides a bike."]
+    for lang in ("en", "de"):
+        text = "\n".join([*mixed, "Two girls play in the water."]) + "\n"
+        (workdir.parent / "tiny_data" / f"mixed.{lang}").write_text(text, encoding="utf-8")
+    return workdir
+
+
+@pytest.fixture
+def decode_clock(monkeypatch):
+    """decode_speed's clock, read 4 times per timed search: compiling takes 2 s, decoding
+    1 s with the cache and 4 s without it."""
+    ticks = itertools.cycle([0.0, 2.0, 2.0, 3.0, 0.0, 2.0, 2.0, 6.0])
+    monkeypatch.setattr(
+        decode_speed, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks))
+    )
+
+
+@pytest.fixture
+def compiled_searches(monkeypatch):
+    """The searches decode_speed compiles, each as (name, its keyword arguments)."""
+    compiled = []
+
+    class Recorded:
+        def __init__(self, search):
+            self.search = search
+
+        def lower(self, *args, **kwargs):
+            compiled.append((self.search.__name__, kwargs))
+            return self.search.lower(*args, **kwargs)
+
+    for name in ("beam_search", "greedy_search"):
+        monkeypatch.setattr(decode_speed, name, Recorded(getattr(decode_speed, name)))
+    return compiled
+
+
+def test_decode_speed_table_counts_the_sentences_and_tokens_it_decoded(
+    tiny_run, decode_clock, compiled_searches, capsys
+):
+    from transformer.translate import encode_sources, load_run
+
+    argv = ["--workdir", str(tiny_run), "--split", "mixed", "--limit", "4", "--beam", "2"]
+    assert decode_speed.main([*argv, "--max-extra-len", "3", "--alpha", "0.5"]) == 0
+    # Each search with the flags given, with the cache and without it.
+    tokenizer = load_run(tiny_run).tokenizer
+    ids = dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    assert compiled_searches == [
+        ("beam_search", dict(ids, max_extra_len=3, use_cache=True, beam_size=2, alpha=0.5)),
+        ("beam_search", dict(ids, max_extra_len=3, use_cache=False, beam_size=2, alpha=0.5)),
+        ("greedy_search", dict(ids, max_extra_len=3, use_cache=True)),
+        ("greedy_search", dict(ids, max_extra_len=3, use_cache=False)),
+    ]
+    lines = capsys.readouterr().out.splitlines()
+    # The first 4 lines, of which the empty one is not decoded: 3 sentences, in one batch
+    # (padded to 4 rows, the copy not counted). None ends, so each decodes to its length
+    # limit, source length (end token included) + 3: that many tokens each.
+    sources = (tiny_run.parent / "tiny_data" / "mixed.en").read_text().splitlines()[:4]
+    ids = [x for x in encode_sources(tokenizer, sources) if x]
+    tokens = sum(len(x) + 3 for x in ids)
+    assert len(ids) == 3 and tokens > 3 * 4
+    # The best checkpoint, as evaluate.py scores by default; here, with no BLEU, the newest.
+    assert (
+        lines[0] == f"model: {tiny_run} (step 2 (the newest: no checkpoint has a validation BLEU))"
+    )
+    assert lines[1].startswith(
+        "data: mixed, 3 sentences (--limit), 1 batches of <= 4096 source tokens; "
+        "model d_model=32 layers=2+2 vocab=400; device: "
+    )
+    rows = [line.split() for line in lines[3:]]
+    for at, name in ((0, ["beam", "2"]), (3, ["greedy"])):
+        # sentences/s and tokens/s per decoding second, compiling not counted
+        assert rows[at] == [*name, "yes", "2.0", "1.0", "3.0", str(tokens), "3/3"]
+        assert rows[at + 1] == [*name, "no", "2.0", "4.0", "0.8", f"{tokens / 4:.0f}", "3/3"]
+        assert lines[3 + at + 2] == (
+            f"{' '.join(name)}: cached is 4.0x faster than uncached; identical outputs: yes"
+        )
+    assert len(lines) == 10 and lines[-1].startswith("'hit limit': sentences that reached")
+
+
+def test_decode_speed_counts_the_sentences_that_ended_and_compares_every_batch(
+    tiny_run, decode_clock, compiled_searches, monkeypatch, capsys
+):
+    import jax.numpy as jnp
+
+    load_run, benchmark = decode_speed.load_run, decode_speed.benchmark
+
+    def ends_at_once(*args, **kwargs):
+        """The run with its last layer's output fixed to (a multiple of) the end token's
+        embedding, which is made 100 times longer: every output is its end token."""
+        run = load_run(*args, **kwargs)
+        eos = run.tokenizer.eos_id
+        table = jnp.asarray(run.params["shared_embedding"]["embedding"])
+        norm = {"scale": jnp.zeros(32), "bias": table[eos] / jnp.linalg.norm(table[eos])}
+        layer = dict(run.params["decoder"]["layer_1"], ffn_block={"norm": norm})
+        params = {
+            **run.params,
+            "decoder": {**run.params["decoder"], "layer_1": layer},
+            "shared_embedding": {"embedding": table.at[eos].multiply(100.0)},
+        }
+        return run._replace(params=params)
+
+    def last_batch_differs(*args, use_cache, **kwargs):
+        """Without the cache, the last batch's first output starts with another token."""
+        compile_s, decode_s, outputs = benchmark(*args, use_cache=use_cache, **kwargs)
+        if not use_cache:
+            outputs[-1] = outputs[-1].copy()
+            outputs[-1][0, 0] += 1
+        return compile_s, decode_s, outputs
+
+    monkeypatch.setattr(decode_speed, "load_run", ends_at_once)
+    monkeypatch.setattr(decode_speed, "benchmark", last_batch_differs)
+    argv = ["--workdir", str(tiny_run), "--split", "mixed", "--modes", "greedy"]
+    assert decode_speed.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("data: mixed, 4 sentences, 2 batches of <= 4096 ")
+    # One token each (the end token): no sentence at its limit, but the one changed.
+    assert [line.split() for line in lines[3:5]] == [
+        ["greedy", "yes", "2.0", "1.0", "4.0", "4", "0/4"],
+        ["greedy", "no", "2.0", "4.0", "1.0", "1", "1/4"],
+    ]
+    assert lines[5] == "greedy: cached is 4.0x faster than uncached; identical outputs: NO"
+
+    # The first 3 sentences (of one padded length), one per batch: compiled once, timed once.
+    compiled_searches.clear()
+    assert decode_speed.main([*argv, "--limit", "4", "--max-tokens", "1", "--no-uncached"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("data: mixed, 3 sentences (--limit), 3 batches of <= 1 ")
+    assert [line.split() for line in lines[3:-1]] == [
+        ["greedy", "yes", "2.0", "1.0", "3.0", "3", "0/3"]
+    ]
+    assert len(compiled_searches) == 1
+
+
+def fake_revision(folder: Path, marker: str) -> Path:
+    """A revision whose `transformer` and `train` say `marker` and whose train_speed's
+    step writes its arguments to `folder/calls` at each call, adding 1 to the state, and
+    "ready" when its metrics are waited for."""
+    (folder / "transformer").mkdir(parents=True)
+    (folder / "benchmarks").mkdir()
+    (folder / "transformer" / "__init__.py").write_text(
+        f"MARKER = {marker!r}\n"
+        "class TransformerConfig:\n"
+        "    @staticmethod\n"
+        "    def preset(name, vocab_size):\n"
+        "        return (name, vocab_size)\n"
+    )
+    (folder / "benchmarks" / "__init__.py").write_text("")
+    (folder / "train.py").write_text(f"MARKER = {marker!r}\n")
+    (folder / "transformer" / "only_here.py").write_text("")
+    (folder / "benchmarks" / "train_speed.py").write_text(
+        "from pathlib import Path\n"
+        "CALLS = Path(__file__).parents[1] / 'calls'\n"
+        "class Metrics:\n"
+        "    def block_until_ready(self):\n"
+        "        with open(CALLS, 'a') as f:\n"
+        "            print('ready', file=f)\n"
+        "def make_step_inputs(cfg, rows, src_len, tgt_len):\n"
+        "    def step(state, batch):\n"
+        "        with open(CALLS, 'a') as f:\n"
+        "            print(*cfg, rows, src_len, tgt_len, state, file=f)\n"
+        "        return state + 1, Metrics()\n"
+        "    return step, 0, None\n"
+    )
+    return folder
+
+
+def test_ab_step_builds_the_step_of_the_revision_given_and_gives_back_the_callers_modules(
+    tmp_path,
+):
+    import train
+    import transformer
+
+    folder = fake_revision(tmp_path / "rev", "the revision's")
+    with ab_step.imported_from(folder):
+        import train as their_train
+        import transformer as theirs
+
+        importlib.import_module("transformer.only_here")
+
+        # not this checkout's, imported before
+        assert theirs.MARKER == their_train.MARKER == "the revision's"
+    assert sys.modules["transformer"] is transformer and not hasattr(transformer, "MARKER")
+    assert sys.modules["train"] is train and "transformer.only_here" not in sys.modules
+    assert "benchmarks.train_speed" not in sys.modules or (
+        sys.modules["benchmarks.train_speed"] is train_speed
+    )
+
+    run = ab_step.build_step(folder, "tiny", 123, rows=6, length=7, warmup=2)
+    # Compiling (the first call) and 2 warm-up steps happen when it is built; each call
+    # then runs one more step from the state the last one left, and waits for it to end.
+    calls = folder / "calls"
+    steps = [[f"tiny 123 6 7 7 {state}", "ready"] for state in range(4)]
+    assert calls.read_text().splitlines() == [*steps[0], *steps[1], *steps[2]]
+    run()
+    assert calls.read_text().splitlines()[6:] == steps[3]
+
+
+def test_ab_step_exports_a_revision_named_with_a_slash_into_one_folder(tmp_path):
+    if not in_git_checkout():
+        pytest.skip("needs the git checkout's history")
+    # origin/main would be one; a tree of HEAD's is one that every checkout has.
+    folder = ab_step.export_revision("HEAD:benchmarks/results", tmp_path, 1)
+    assert folder == tmp_path / "1_HEAD:benchmarks_results" and any(folder.iterdir())
+
+
+def test_ab_step_prints_the_median_step_of_each_revision_alternating_their_order(
+    tmp_path, monkeypatch, capsys, ab_step_keeps_malloc_as_it_is
+):
+    import train
+    from transformer.host_memory import accelerator_expected, uses_glibc
+
+    now, calls, built = [0.0], [], []
+    step_ms = {"A": iter([3, 2, 2, 9]), "B": iter([1, 5, 2, 1])}
+
+    def export_revision(revision, into, position):
+        folder = tmp_path / f"{position}_{revision}"
+        (folder / "benchmarks").mkdir(parents=True)
+        (folder / "benchmarks" / "train_speed.py").write_text("")
+        return folder
+
+    def build_step(folder, preset, vocab_size, rows, length, warmup):
+        name = folder.name[-1]
+        built.append((folder, preset, vocab_size, rows, length, warmup))
+
+        def run():
+            calls.append(name)
+            now[0] += next(step_ms[name]) / 1000
+
+        return run
+
+    monkeypatch.setattr(ab_step, "export_revision", export_revision)
+    monkeypatch.setattr(ab_step, "build_step", build_step)
+    monkeypatch.setattr(ab_step, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    ab_step.main(["A", "B", "--preset", "tiny", "--rows", "2", "--rounds", "4", "--warmup", "0"])
+    # Each revision's step from its own files, with the checkout's default vocabulary.
+    vocab_size = train.DATA_DEFAULTS["vocab_size"]
+    assert built == [
+        (tmp_path / f"{i}_{r}", "tiny", vocab_size, 2, 16, 0) for i, r in enumerate("AB")
+    ]
+    assert calls == list("ABBAABBA")
+    # A took 3, 2, 2 and 9 ms, B 1, 5, 2 and 1 ms: medians 2.5 and 1.5; B faster in the
+    # 1st and 4th rounds (a tie is not faster).
+    assert capsys.readouterr().out.splitlines() == [
+        "A: built, compiled and warmed up in 0.0 s",
+        "B: built, compiled and warmed up in 0.0 s",
+        "tiny, 2 x (16 + 16) tokens, 4 alternating rounds:",
+        "  A: median 2.5 ms/step (min 2.0)",
+        "  B: median 1.5 ms/step (min 1.0)",
+        "  B / A: 0.600; B faster in 2 of 4 rounds",
+    ]
+    # The malloc setting the train step is timed under (where it applies).
+    asked = uses_glibc() and not accelerator_expected()
+    assert bool(ab_step_keeps_malloc_as_it_is) == asked

@@ -148,6 +148,79 @@ def test_a_copy_that_fails_leaves_no_half_fork(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "fork").exists()
 
 
+def _hand_made_workdir(folder: Path, metrics: bool = True) -> Path:
+    """A workdir as fork_run sees one: config.json, checkpoints 4 and 8 (empty folders),
+    a record at every step 1..8 and another folder of the run's holding a "8"."""
+    for step in (4, 8):
+        (folder / "checkpoints" / str(step)).mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "plots" / "8").mkdir(parents=True)
+    if metrics:
+        records = "".join(f'{{"step": {step}, "loss": 1.0}}\n' for step in range(1, 9))
+        (folder / "metrics.jsonl").write_text(records)
+    return folder
+
+
+def test_a_fork_keeps_every_record_up_to_its_step_and_only_later_checkpoints_go(tmp_path, capsys):
+    run = _hand_made_workdir(tmp_path / "run")
+    assert fork_main([str(run), str(tmp_path / "fork"), "--step", "4"]) == 0
+    assert (
+        capsys.readouterr().out
+        == f"{tmp_path / 'fork'}: checkpoints 4..4; resume it with train.py\n"
+    )
+    assert [r["step"] for r in read_metrics(tmp_path / "fork")] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (tmp_path / "fork" / "checkpoints").iterdir()) == ["4"]
+    assert (tmp_path / "fork" / "plots" / "8").is_dir()  # not a checkpoint
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 9))  # the base untouched
+    assert fork_main([str(run), str(tmp_path / "whole"), "--step", "8"]) == 0
+    assert capsys.readouterr().out.startswith(f"{tmp_path / 'whole'}: checkpoints 4..8;")
+
+
+def test_a_workdir_without_metrics_is_forked(tmp_path):
+    run = _hand_made_workdir(tmp_path / "run", metrics=False)
+    assert fork_main([str(run), str(tmp_path / "fork"), "--step", "4"]) == 0
+    assert not (tmp_path / "fork" / "metrics.jsonl").exists()
+
+
+def test_a_fork_onto_an_existing_folder_leaves_it_as_it_was(tmp_path, capsys):
+    run = _hand_made_workdir(tmp_path / "run")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    for destination in (tmp_path / "taken", run):
+        assert fork_main([str(run), str(destination), "--step", "4"]) == 2
+        err = capsys.readouterr().err
+        assert err == f"error: {destination} exists; give a new directory\n"
+    assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 9))
+
+
+def test_fork_needs_a_step(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        fork_main([str(tmp_path / "run"), str(tmp_path / "fork")])
+    assert exit_.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith("error: the following arguments are required: --step")
+    )
+
+
+def test_a_copy_error_of_several_files_is_one_line(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    run = _hand_made_workdir(tmp_path / "run")
+
+    def copy_with_errors(src, dst, **kwargs):
+        Path(dst).mkdir()
+        raise shutil.Error([(str(run / "a"), str(dst / "a"), "Permission denied")])
+
+    monkeypatch.setattr(shutil, "copytree", copy_with_errors)
+    assert fork_main([str(run), str(tmp_path / "fork"), "--step", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Permission denied" in err
+    assert not (tmp_path / "fork").exists()
+
+
 def test_a_meta_item_that_is_no_json_object_is_one_line(tmp_path, capsys):
     # A JSON list there was an AttributeError traceback when the dropout key was compared.
     (tmp_path / "run" / "checkpoints" / "4" / "meta").mkdir(parents=True)

@@ -1,6 +1,7 @@
 """The literature's Multi30k BLEU: case-blind, hyphens split, multi-bleu.perl's numbers."""
 
 import math
+import sys
 
 import pytest
 
@@ -49,3 +50,77 @@ def test_cli_rejects_empty_files_in_one_line(tmp_path, capsys):
     assert main([str(hyp), str(ref), "--lang", "de"]) == 2
     err = capsys.readouterr().err
     assert err == f"error: {hyp} and {ref} are empty: nothing to score\n"
+
+
+def test_german_is_prepared_by_the_german_moses_rules():
+    # Typographic quotes, dashes and ellipses become ASCII, so that a hypothesis is not
+    # penalized for the reference's quote style; German puts the comma after the closing
+    # quote and splits an apostrophe off on both sides (English: "peter 's").
+    assert moses_prepare(["„Hallo,“ sagt Peter's Hund – müde…"], "de") == [
+        '" hallo " , sagt peter \' s hund - müde ...'
+    ]
+    assert moses_prepare(['"Hi," says Peter\'s dog.'], "en") == ['" hi , " says peter \'s dog .']
+    hyp, ref = 'Er sagt "Hallo" ...', "Er sagt „Hallo“ …"
+    assert tokenized_bleu([hyp], [ref], "de").score == pytest.approx(100.0)
+
+
+def test_no_smoothing_when_only_the_longest_n_grams_miss():
+    # 4/5, 2/4, 1/3 and 0/2 matches: multi-bleu.perl gives 0 (smoothing would not).
+    score = tokenized_bleu(["Two dogs run fast."], ["Two dogs run slowly."], "en")
+    assert score.score == 0.0 and [round(p, 1) for p in score.precisions] == [80, 50, 33.3, 0]
+
+
+def test_a_short_hypothesis_is_penalized_not_the_reference(tmp_path, capsys):
+    hyp, ref = tmp_path / "hyp", tmp_path / "ref"
+    hyp.write_text("Two dogs run in the park\n")
+    ref.write_text("Two dogs run in the big park .\n")
+    assert main([str(hyp), str(ref), "--lang", "en"]) == 0
+    # 6 hypothesis tokens against 8: BP = exp(1 - 8/6) (the reference's length would give
+    # 1); every n-gram of the hypothesis but those ending in "the park" matches.
+    bp = math.exp(1 - 8 / 6)
+    expected = bp * 100 * math.exp(sum(map(math.log, (6 / 6, 4 / 5, 3 / 4, 2 / 3))) / 4)
+    line = capsys.readouterr().out
+    assert line.startswith(f"BLEU = {expected:.2f} 100.0/80.0/75.0/66.7 (BP = {bp:.3f} ")
+    assert "hyp_len = 6 ref_len = 8" in line
+    assert line.endswith(" (lowercased, Moses-tokenized -a, en)\n")
+
+
+def test_a_test_set_of_sentences_ending_in_a_period_draws_no_warning(caplog):
+    # Moses-tokenized text ends in " ." on purpose: sacreBLEU's "forgot to detokenize?"
+    # warning (after 100 such lines) would be wrong here.
+    lines = [f"Dog number {i} runs." for i in range(120)]
+    with caplog.at_level("WARNING"):
+        assert tokenized_bleu(lines, lines, "en").score == pytest.approx(100.0)
+    assert caplog.records == []
+
+
+def test_cli_needs_the_language(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "hyp"), str(tmp_path / "ref")])
+    assert exit_.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith("error: the following arguments are required: --lang")
+    )
+
+
+def test_cli_without_sacremoses_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    hyp = tmp_path / "hyp"
+    hyp.write_text("Two dogs run.\n")
+    monkeypatch.setitem(sys.modules, "sacremoses", None)  # its import fails
+    assert main([str(hyp), str(hyp), "--lang", "en"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == "error: this needs sacremoses: pip install sacremoses\n"
+
+
+def test_cli_prepares_both_files_by_the_rules_of_lang(tmp_path, capsys):
+    # German Moses rules split "peter's" into three tokens (English: peter 's), so the
+    # hypothesis has 9 tokens and 8/9, 6/8, 4/7 and 2/6 of its n-grams match.
+    hyp, ref = tmp_path / "hyp", tmp_path / "ref"
+    hyp.write_text("Peter's Hund schläft auf dem Sofa.\n")
+    ref.write_text("Peter's Katze schläft auf dem Sofa.\n")
+    assert main([str(hyp), str(ref), "--lang", "de"]) == 0
+    out = capsys.readouterr().out
+    assert " 88.9/75.0/57.1/33.3 " in out and "hyp_len = 9 ref_len = 9" in out
+    assert out.endswith("-a, de)\n")
