@@ -127,6 +127,50 @@ def test_soup_refuses_workdirs_it_cannot_average_in_one_line(tmp_path, capsys, m
         soup.soup_params([Path("a"), Path("b")], 2)
 
 
+def test_a_soup_is_the_mean_of_the_last_k_checkpoints_of_every_workdir(monkeypatch):
+    # Each checkpoint holds its step as its weights: a's last two are 4 and 8, b's 12 and 16.
+    steps = {"a": [2, 4, 8], "b": [10, 12, 16]}
+
+    def restore_last(workdir, k, log):
+        last = steps[Path(workdir).name][-k:]
+        return [{"w": np.full((2,), float(s))} for s in last], last
+
+    monkeypatch.setattr(soup, "restore_last", restore_last)
+    two = soup.soup_params([Path("a"), Path("b")], 2)["w"]
+    np.testing.assert_allclose(two, [10.0, 10.0])  # (4 + 8 + 12 + 16) / 4
+    np.testing.assert_allclose(soup.soup_params([Path("a"), Path("b")], 1)["w"], [12.0, 12.0])
+
+
+def test_soup_decodes_the_first_workdirs_model_with_the_soup_of_all(monkeypatch, capsys):
+    loaded, seen = [], []
+    monkeypatch.setattr(soup, "load_model", lambda w: (loaded.append(w), ("model", "tok", {}))[1])
+    monkeypatch.setattr(soup, "soup_params", lambda dirs, k: ([str(d) for d in dirs], k))
+
+    def evaluate_main(argv, load):  # evaluate.py's flags as it parses them, and what it loads
+        args = soup.evaluate.parse_args(argv)
+        seen.append((args, load(args)))
+        return 0
+
+    monkeypatch.setattr(soup.evaluate, "main", evaluate_main)
+    # The data, the model and the tokenizer are the first workdir's; the parameters all of theirs.
+    for flags, k in (([], soup.evaluate.DEFAULT_AVERAGE_LAST), (["--average-last", "3"], 3)):
+        loaded.clear()
+        assert soup_main(["runs/a", "runs/b", "--split", "val", "--beam", "2", *flags]) == 0
+        args, run = seen.pop()
+        assert args.workdir == "runs/a" and args.split == "val" and args.beam == 2
+        assert args.average_last == k and [str(w) for w in loaded] == ["runs/a"]
+        assert run.params == (["runs/a", "runs/b"], k)
+        # The header evaluate.py prints names the checkpoints it decodes with.
+        assert run.checkpoint == f"the last {k} checkpoints of each of runs/a + runs/b"
+    assert soup.evaluate.DEFAULT_AVERAGE_LAST != 1  # the default above is not the flag's 1
+
+    # No workdir at all is a usage error, not an IndexError.
+    with pytest.raises(SystemExit) as exit_:
+        soup_main([])
+    assert exit_.value.code == 2
+    assert "the following arguments are required: workdirs" in capsys.readouterr().err
+
+
 def test_a_copy_that_fails_leaves_no_half_fork(tmp_path, capsys, monkeypatch):
     import shutil
 
