@@ -740,3 +740,278 @@ def test_reverse_mode_autodiff_works_and_forward_mode_is_refused_as_the_readme_s
         TypeError, match=r"can't apply forward-mode autodiff \(jvp\) to a custom_vjp"
     ):
         jax.jvp(total, (params,), (params,))
+
+
+def test_attention_scales_by_the_key_width_and_takes_values_of_another_width():
+    # d_v need not be d_k (the docstring's shapes): the scores are divided by sqrt(d_k), the
+    # queries' and keys' width, and the output has the values' width.
+    rng = np.random.default_rng(13)
+    q, k = (jnp.asarray(rng.normal(size=(2, 3, 2, 8)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(2, 3, 2, 2)), jnp.float32)
+    out, weights = jax.jit(scaled_dot_product_attention)(q, k, v)
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(8.0)
+    expected = np.exp(scores - scores.max(-1, keepdims=True))
+    expected /= expected.sum(-1, keepdims=True)
+    np.testing.assert_allclose(weights, expected, atol=1e-6)
+    assert out.shape == (2, 3, 2, 2)
+    np.testing.assert_allclose(out, np.einsum("bhqk,bkhd->bqhd", expected, v), atol=1e-5)
+
+
+def test_float16_attention_gives_the_float32_weights_and_the_values_dtype():
+    # The float16 path scales the queries before the product: by sqrt(d_k), as in float32
+    # (the other float16 test's scores are so far apart that any scale gave [1, 0]).
+    rng = np.random.default_rng(14)
+    q, k, v = (rng.normal(size=(1, 4, 2, 16)).astype(np.float32) for _ in range(3))
+    out32, weights32 = scaled_dot_product_attention(*map(jnp.asarray, (q, k, v)))
+    half = [jnp.asarray(x, jnp.float16) for x in (q, k, v)]
+    out16, weights16 = scaled_dot_product_attention(*half)
+    assert weights16.dtype == jnp.float32 and out16.dtype == jnp.float16
+    np.testing.assert_allclose(weights16, weights32, atol=2e-3)
+    np.testing.assert_allclose(np.asarray(out16, np.float32), out32, atol=1e-2)
+    # bfloat16 inputs give bfloat16 outputs (the float32 weights are cast to the values').
+    out_bf16, _ = scaled_dot_product_attention(*(x.astype(jnp.bfloat16) for x in half))
+    assert out_bf16.dtype == jnp.bfloat16
+
+
+def test_attention_with_matmul_dtype_multiplies_the_rounded_operands():
+    # matmul_dtype rounds the operands of both products, Q K^T and weights V, and
+    # accumulates in float32.
+    rng = np.random.default_rng(15)
+    q, k, v = (rng.normal(size=(2, 5, 2, 8)).astype(np.float32) for _ in range(3))
+
+    def rounded(x):
+        return np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+
+    out, weights = jax.jit(
+        functools.partial(scaled_dot_product_attention, matmul_dtype=jnp.bfloat16)
+    )(q, k, v)
+    scores = np.einsum("bqhd,bkhd->bhqk", rounded(q), rounded(k)) / np.sqrt(8.0)
+    expected = np.exp(scores - scores.max(-1, keepdims=True))
+    expected /= expected.sum(-1, keepdims=True)
+    np.testing.assert_allclose(weights, expected, atol=1e-6)
+    expected_out = np.einsum("bhqk,bkhd->bqhd", rounded(np.asarray(weights)), rounded(v))
+    np.testing.assert_allclose(out, expected_out, atol=1e-5)
+    assert not np.allclose(out, np.einsum("bhqk,bkhd->bqhd", np.asarray(weights), v), atol=1e-5)
+
+
+def test_cached_steps_read_the_cross_attention_keys_init_cache_projected():
+    # The source keys and values are projected once, by init_cache; a step reads them
+    # from the cache, not from the encoder output it is given again.
+    src, tgt = _batch(np.random.default_rng(16))
+    model, params = _init(_config(), src, tgt)
+    variables = {"params": params}
+    encoded = model.apply(variables, src, method=Transformer.encode)
+    _, state = model.apply(
+        variables, encoded, src, 3, method=Transformer.init_cache, mutable=["cache"]
+    )
+
+    def step(encoding):
+        logits, _ = model.apply(
+            {**variables, "cache": state["cache"]}, encoding, src, tgt[:, :1],
+            decode=True, method=Transformer.decode, mutable=["cache"],
+        )  # fmt: skip
+        return logits
+
+    np.testing.assert_array_equal(step(jnp.zeros_like(encoded)), step(encoded))
+    full = model.apply(variables, encoded, src, tgt, method=Transformer.decode)
+    np.testing.assert_allclose(step(encoded)[:, 0], full[:, 0], atol=1e-5)
+
+
+def test_training_without_attention_dropout_needs_no_dropout_rng():
+    # As the Dropout module: a rate of 0 asks for no "dropout" RNG, so train=True runs
+    # without one and is the inference output.
+    config = _config(dropout_rate=0.0, attention_dropout_rate=0.0)
+    x = jnp.asarray(np.random.default_rng(17).normal(size=(2, 4, config.d_model)), jnp.float32)
+    attention = MultiHeadAttention(config)
+    variables = attention.init(jax.random.key(0), x)
+    np.testing.assert_array_equal(
+        attention.apply(variables, x, train=True), attention.apply(variables, x)
+    )
+
+
+def test_attention_projections_run_in_the_compute_dtype():
+    config = _config(dtype="bfloat16")
+    x = jnp.asarray(np.random.default_rng(18).normal(size=(2, 4, config.d_model)), jnp.float32)
+    attention = MultiHeadAttention(config)
+    variables = attention.init(jax.random.key(0), x)
+    out, state = attention.apply(
+        variables, x, capture_intermediates=True, mutable=["intermediates"]
+    )
+    assert out.dtype == jnp.bfloat16
+    for projection in ("query", "key", "value", "out"):
+        (y,) = state["intermediates"][projection]["__call__"]
+        assert y.dtype == jnp.bfloat16, projection
+
+
+def test_kernels_start_glorot_uniform_and_embeddings_at_unit_variance_after_scaling():
+    # Every projection kernel is drawn from Glorot's uniform range +-sqrt(6 / (fan_in +
+    # fan_out)) (the heads' axes counted in their fan); the embeddings have standard deviation
+    # d_model^-0.5, unit variance once multiplied by sqrt(d_model).
+    config = _config(share_embeddings=False)
+    src, tgt = _batch(np.random.default_rng(19))
+    _, params = _init(config, src, tgt)
+    layer = params["decoder"]["layer_0"]
+    d, f = config.d_model, config.d_ff
+    kernels = {
+        "query": (layer["cross_attention"]["query"]["kernel"], d, d),
+        "out": (layer["self_attention"]["out"]["kernel"], d, d),
+        "inner": (layer["ffn"]["inner"]["kernel"], d, f),
+        "outer": (layer["ffn"]["outer"]["kernel"], f, d),
+        "output_projection": (params["decoder"]["output_projection"]["kernel"], d, VOCAB),
+    }
+    for name, (kernel, fan_in, fan_out) in kernels.items():
+        bound = np.sqrt(6.0 / (fan_in + fan_out))
+        largest = np.abs(np.asarray(kernel)).max()
+        assert 0.9 * bound < largest <= bound, (name, largest, bound)
+    for name in ("source_embedding", "target_embedding"):
+        std = np.asarray(params[name]["embedding"]).std()
+        assert 0.9 < std * np.sqrt(d) < 1.1, (name, std)
+
+
+def test_arrays_of_too_many_axes_are_errors_that_name_the_argument():
+    x = jnp.ones((2, 5, 1, 8))
+    with pytest.raises(ValueError, match=r"q_BQHD must have 4 axes .* got shape \(1, 2, 5, 1, 8\)"):
+        scaled_dot_product_attention(x[None], x, x)
+    with pytest.raises(ValueError, match=r"mask must have 4 axes .* got shape \(2, 1, 5\)"):
+        scaled_dot_product_attention(x, x, x, jnp.ones((2, 1, 5), bool))
+    layer = MultiHeadAttention(_config())
+    params = layer.init(jax.random.key(0), jnp.ones((1, 5, 32)))
+    with pytest.raises(ValueError, match=r"inputs_q_BQD must have 3 axes .* \(1, 5, 1, 32\)"):
+        layer.apply(params, jnp.ones((1, 5, 1, 32)))
+
+
+def test_positional_encoding_of_an_odd_width_has_that_width():
+    pe = sinusoidal_positional_encoding(3, 5)
+    assert pe.shape == (3, 5)
+    np.testing.assert_allclose(pe[:, 4], np.sin(np.arange(3) / 10000 ** (4 / 5)), atol=1e-6)
+
+
+def test_a_padding_id_other_than_0_is_the_padding_and_ids_below_it_are_words():
+    assert padding_mask(jnp.array([[1, 3, 2, 3]]), 3)[0, 0, 0].tolist() == [
+        True, False, True, False,
+    ]  # fmt: skip
+    pad = 3
+    config = _config(pad_id=pad)
+    src = jnp.asarray([[1, 2, 5, 7, pad], [4, 1, 2, pad, pad]], jnp.int32)
+    tgt = jnp.asarray([[1, 6, 2, 9], [1, 2, 8, pad]], jnp.int32)
+    model, params = _init(config, src, tgt)
+    logits = _logits_fn(model)
+    base = logits(params, src, tgt)
+    more_padding = logits(
+        params,
+        jnp.pad(src, ((0, 0), (0, 3)), constant_values=pad),
+        jnp.pad(tgt, ((0, 0), (0, 2)), constant_values=pad),
+    )
+    real = np.asarray(tgt != pad)
+    np.testing.assert_allclose(
+        np.asarray(more_padding[:, :4])[real], np.asarray(base)[real], atol=1e-5
+    )
+
+
+def test_the_feed_forward_network_is_the_papers_relu_network():
+    from transformer.model import FeedForward
+
+    config = _config()
+    x = jnp.asarray(np.random.default_rng(20).normal(size=(2, 3, config.d_model)), jnp.float32)
+    ffn = FeedForward(config)
+    variables = ffn.init(jax.random.key(0), x)
+    p = jax.tree.map(np.asarray, variables["params"])
+    hidden = np.maximum(0.0, np.asarray(x) @ p["inner"]["kernel"] + p["inner"]["bias"])
+    expected = hidden @ p["outer"]["kernel"] + p["outer"]["bias"]
+    np.testing.assert_allclose(ffn.apply(variables, x), expected, atol=1e-5)
+
+
+def test_the_layer_norm_adds_1e_6_to_the_variance():
+    # Visible on activations of small variance, where epsilon is not negligible.
+    from transformer.model import _SublayerConnection
+
+    config = _config()
+    x = np.random.default_rng(21).normal(0.0, 1e-3, (1, 2, config.d_model)).astype(np.float32)
+    block = _SublayerConnection(config)
+    params = block.init(jax.random.key(0), x, jnp.zeros_like, False)
+    out = np.asarray(block.apply(params, x, jnp.zeros_like, False))
+    expected = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(out, expected, rtol=1e-3, atol=1e-4)
+
+
+def test_both_stacks_embed_from_position_0_with_their_own_table():
+    # The source is embedded with source_embedding and the target with target_embedding,
+    # each at positions 0, 1, ... (section 3.5), whatever the other stack does.
+    config = _config(share_embeddings=False)
+    src, tgt = _batch(np.random.default_rng(22))
+    model, params = _init(config, src, tgt)
+    _, state = model.apply(
+        {"params": params}, src, tgt, capture_intermediates=True, mutable=["intermediates"]
+    )
+    for stack, tokens, table in (
+        ("encoder", src, "source_embedding"),
+        ("decoder", tgt, "target_embedding"),
+    ):
+        (embedded,) = state["intermediates"][stack]["embedding"]["__call__"]
+        rows = np.asarray(params[table]["embedding"])[np.asarray(tokens)]
+        pe = sinusoidal_positional_encoding(tokens.shape[1], config.d_model)
+        expected = rows * np.sqrt(config.d_model) + np.asarray(pe)[None]
+        np.testing.assert_allclose(embedded, expected, atol=1e-5, err_msg=stack)
+
+
+def test_each_stack_has_its_own_number_of_layers():
+    config = _config(num_encoder_layers=1, num_decoder_layers=3)
+    tokens = jnp.ones((1, 4), jnp.int32)
+    shapes = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens, tokens)
+    layers = {
+        stack: sorted(k for k in shapes["params"][stack] if k.startswith("layer_"))
+        for stack in ("encoder", "decoder")
+    }
+    assert layers == {"encoder": ["layer_0"], "decoder": ["layer_0", "layer_1", "layer_2"]}
+
+
+def test_attention_with_bfloat16_matmuls_rounds_its_own_products_too():
+    # matmul_dtype reaches the two attention products, not only the projections: the
+    # weights sown are those of the rounded projections' scores.
+    config = _config(matmul_dtype="bfloat16")
+    x = jnp.asarray(np.random.default_rng(23).normal(size=(2, 5, config.d_model)), jnp.float32)
+    attention = MultiHeadAttention(config)
+    variables = attention.init(jax.random.key(0), x)
+    _, state = attention.apply(variables, x, capture_intermediates=True, mutable=["intermediates"])
+    q, k, v = (state["intermediates"][name]["__call__"][0] for name in ("query", "key", "value"))
+    (sown,) = state["intermediates"]["attention_weights"]
+    _, rounded = scaled_dot_product_attention(q, k, v, matmul_dtype=jnp.bfloat16)
+    _, exact = scaled_dot_product_attention(q, k, v)
+    np.testing.assert_allclose(sown, rounded, atol=1e-6)
+    assert not np.allclose(sown, exact, atol=1e-6)
+
+
+def test_training_drops_out_both_stacks_embeddings():
+    # Section 5.4: dropout on the sums of embeddings and positional encodings, in the encoder
+    # and the decoder stack alike, when the Transformer is called with train=True.
+    config = _config(dropout_rate=0.5)
+    src, tgt = _batch(np.random.default_rng(24))
+    model, params = _init(config, src, tgt)
+    _, state = model.apply(
+        {"params": params}, src, tgt, train=True, rngs={"dropout": jax.random.key(1)},
+        capture_intermediates=True, mutable=["intermediates"],
+    )  # fmt: skip
+    for stack in ("encoder", "decoder"):
+        (embedded,) = state["intermediates"][stack]["embedding"]["__call__"]
+        assert 0.3 < np.mean(np.asarray(embedded) == 0) < 0.7, stack
+
+
+def test_bfloat16_matmuls_round_the_shared_output_projection_too():
+    # The logits are the last layer's output times the embedding table, both rounded to
+    # matmul_dtype (post-LN: no final norm in between).
+    config = _config(matmul_dtype="bfloat16")
+    src, tgt = _batch(np.random.default_rng(25))
+    model, params = _init(config, src, tgt)
+    logits, state = model.apply(
+        {"params": params}, src, tgt, capture_intermediates=True, mutable=["intermediates"]
+    )
+    (last,) = state["intermediates"]["decoder"][f"layer_{config.num_decoder_layers - 1}"][
+        "__call__"
+    ]
+
+    def rounded(x):
+        return np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+
+    table = params["shared_embedding"]["embedding"]
+    np.testing.assert_allclose(logits, rounded(last) @ rounded(table).T, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(logits, np.asarray(last) @ np.asarray(table).T, rtol=1e-5, atol=1e-5)
