@@ -819,12 +819,13 @@ def test_a_validation_a_stop_skipped_is_run_on_the_next_resume_only(
     assert timeless(read_metrics(workdir)) == timeless(read_metrics(tmp_path / "straight"))
 
 
-def test_throughput_counts_the_tokens_of_a_records_steps_over_their_training_time(
-    tiny_setup, tmp_path, monkeypatch
-):
-    # A clock that moves 1 s per batch and 1000 s per validation (every 4 steps; a stop
-    # skips the one at 8, which the resume then runs): each record's tokens_per_s is its
-    # own 2 steps' target tokens over their 2 s, without any validation's time.
+def _clocked(tiny_setup, monkeypatch):
+    """The Trainer's clock made to move 1 s per training batch and 1000 s per validation.
+
+    Returns:
+      (timed, validation, tokens): `timed(batches)` yields the batches, moving the clock
+      and appending each one's target tokens to `tokens`; `validation` is one batch.
+    """
     now = [1000.0]
     monkeypatch.setattr(training, "time", types.SimpleNamespace(time=lambda: now[0]))
     tokenizer, encoded, _ = tiny_setup
@@ -840,7 +841,16 @@ def test_throughput_counts_the_tokens_of_a_records_steps_over_their_training_tim
         now[0] += 1000.0
         return [next(iter(_batcher(tokenizer, encoded)))]
 
-    validation = ValidationData(batches=slow_batches)
+    return timed, ValidationData(batches=slow_batches), tokens
+
+
+def test_throughput_counts_the_tokens_of_a_records_steps_over_their_training_time(
+    tiny_setup, tmp_path, monkeypatch
+):
+    # A clock that moves 1 s per batch and 1000 s per validation (every 4 steps; a stop
+    # skips the one at 8, which the resume then runs): each record's tokens_per_s is its
+    # own 2 steps' target tokens over their 2 s, without any validation's time.
+    timed, validation, tokens = _clocked(tiny_setup, monkeypatch)
     schedule = dict(steps=12, log_every=2, eval_every=4)
     trainer, batcher = _eight_step_trainer(tiny_setup, tmp_path, **schedule)
     stop = threading.Event()
@@ -1151,23 +1161,9 @@ def test_throughput_after_a_validation_between_two_records_counts_only_the_later
     # Validation at steps 2 and 6, records at 4 and 8: each record's tokens_per_s is the
     # target tokens of the 2 steps after the validation over their 2 s (1 s per batch,
     # 1000 s per validation), not every step's tokens since the last record.
-    now = [1000.0]
-    monkeypatch.setattr(training, "time", types.SimpleNamespace(time=lambda: now[0]))
-    tokenizer, encoded, _ = tiny_setup
-    tokens = []
-
-    def timed(batches):
-        for batch, state in batches:
-            now[0] += 1.0
-            tokens.append(int(np.sum(batch["tgt_out"] != tokenizer.pad_id)))
-            yield batch, state
-
-    def slow_batches():
-        now[0] += 1000.0
-        return [next(iter(_batcher(tokenizer, encoded)))]
-
+    timed, validation, tokens = _clocked(tiny_setup, monkeypatch)
     trainer, batcher = _eight_step_trainer(tiny_setup, tmp_path, eval_every=2)
-    trainer.run(timed(with_data_state(batcher)), 8, ValidationData(batches=slow_batches))
+    trainer.run(timed(with_data_state(batcher)), 8, validation)
     trainer.close()
     records = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert [r["step"] for r in records] == [4, 8]
