@@ -61,6 +61,7 @@ def fork(
     Raises:
       ValueError: no workdir at `source`, no checkpoint at `step`, `destination` exists,
         or a `dropout_key` outside [0, 2**32).
+      CheckpointError: with a `dropout_key`, the checkpoint's meta item is no JSON object.
     """
     if dropout_key is not None and not 0 <= dropout_key < 2**32:  # as train.py's --seed
         raise ValueError(f"--dropout-key must be in [0, 2**32), got {dropout_key}")
@@ -84,13 +85,7 @@ def fork(
             truncate_metrics(destination / METRICS_FILE, step)
         if dropout_key is not None:
             key = [int(x) for x in jax.device_get(seed_keys(dropout_key)[1]).ravel()]
-            meta = read_meta(destination, step)
-            if not isinstance(meta, dict):  # valid JSON, but damaged: one line, no traceback
-                raise ValueError(
-                    f"checkpoint {step} in {checkpoints} has a meta item that is no JSON "
-                    f"object: {str(meta)[:40]}"
-                )
-            if meta.get("rng") == key:
+            if read_meta(source, step).get("rng") == key:  # the source's: errors name it
                 log(
                     f"warning: --dropout-key {dropout_key} is the key checkpoint {step} "
                     "already has: the fork repeats the base run"

@@ -273,7 +273,7 @@ def test_a_meta_item_that_is_no_json_object_is_one_line(tmp_path, capsys):
     run = [str(tmp_path / "run"), str(tmp_path / "fork"), "--step", "4", "--dropout-key", "1"]
     assert fork_main(run) == 2
     assert capsys.readouterr().err == (
-        f"error: checkpoint 4 in {tmp_path / 'run' / 'checkpoints'} has a meta item that is "
-        "no JSON object: [1, 2]\n"
+        f"error: checkpoint step 4 in {tmp_path / 'run' / 'checkpoints'} has a meta item that "
+        "is no JSON object: [1, 2]\n"
     )
     assert not (tmp_path / "fork").exists()

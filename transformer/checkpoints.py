@@ -934,9 +934,15 @@ def read_meta(workdir: str | os.PathLike, step: int) -> dict[str, Any]:
     """The JSON "meta" item (step, RNG key, data position) of one finished checkpoint.
 
     Raises:
-      CheckpointError: no checkpoint at `step`.
+      CheckpointError: no checkpoint at `step`, or its meta item is no JSON object.
     """
-    return ocp.JsonCheckpointHandler().restore(_meta_item(workdir, step))
+    meta = ocp.JsonCheckpointHandler().restore(_meta_item(workdir, step))
+    if not isinstance(meta, dict):  # valid JSON, but no save wrote it: one line, no traceback
+        raise CheckpointError(
+            f"checkpoint step {step} in {checkpoint_dir(workdir)} has a meta item that is no "
+            f"JSON object: {str(meta)[:40]}"
+        )
+    return meta
 
 
 def update_meta(workdir: str | os.PathLike, step: int, changes: dict[str, Any]) -> dict[str, Any]:
