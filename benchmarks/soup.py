@@ -63,6 +63,17 @@ def main(argv: list[str] | None = None) -> int:
         help=f"checkpoints taken from the end of each workdir [{evaluate.DEFAULT_AVERAGE_LAST}]",
     )
     args, rest = p.parse_known_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    # argparse cannot tell evaluate.py's flags that take a value: in `--split val runs/a`
+    # it would take "val" for a workdir, and evaluate.py would then miss --split's value.
+    first_flag = next((i for i, a in enumerate(given) if a in rest and a.startswith("-")), None)
+    if first_flag is not None and set(given[first_flag:]) & {str(w) for w in args.workdirs}:
+        print(
+            "error: give the workdirs first, then evaluate.py's flags: "
+            f"soup.py runs/a runs/b --split val (got {given[first_flag]} before a workdir)",
+            file=sys.stderr,
+        )
+        return 2
     dirs = " + ".join(str(w) for w in args.workdirs)
 
     def load(ev_args):  # the first workdir's model and tokenizer, with the soup's parameters

@@ -127,6 +127,17 @@ def test_soup_refuses_workdirs_it_cannot_average_in_one_line(tmp_path, capsys, m
         soup.soup_params([Path("a"), Path("b")], 2)
 
 
+def test_soup_flags_before_the_workdirs_are_one_line_saying_the_order(monkeypatch, capsys):
+    # "val" would be taken for a workdir, and evaluate.py would say --split has no value.
+    monkeypatch.setattr(soup.evaluate, "main", lambda argv, load: 0)
+    assert soup_main(["--split", "val", "runs/a", "runs/b"]) == 2
+    assert capsys.readouterr().err == (
+        "error: give the workdirs first, then evaluate.py's flags: soup.py runs/a runs/b "
+        "--split val (got --split before a workdir)\n"
+    )
+    assert soup_main(["--average-last", "2", "runs/a", "runs/b", "--split", "val"]) == 0
+
+
 def test_a_soup_is_the_mean_of_the_last_k_checkpoints_of_every_workdir(monkeypatch):
     # Each checkpoint holds its step as its weights: a's last two are 4 and 8, b's 12 and 16.
     steps = {"a": [2, 4, 8], "b": [10, 12, 16]}
