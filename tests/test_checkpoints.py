@@ -1,12 +1,14 @@
 """Workdir checkpoints: round trip, last K + best retention, damaged fallback, mismatch,
 and the software record of a run."""
 
+import asyncio
 import contextlib
 import importlib.util
 import json
 import shutil
 import subprocess
 import sys
+import types
 from functools import partial
 from pathlib import Path
 
@@ -445,35 +447,40 @@ def test_every_checkpoint_damaged_is_an_error_that_moves_nothing(tmp_path, param
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]
 
 
-def test_late_reads_of_a_failed_restore_print_no_tracebacks(monkeypatch):
-    # TensorStore reports these through sys.unraisablehook, one per read still running.
-    import asyncio
-    import sys
-    import types
-
-    from transformer import checkpoints
-
+def _closed_loop_error(call: str) -> tuple[RuntimeError, asyncio.AbstractEventLoop]:
+    """The "Event loop is closed" error of `loop.<call>(print)` on a closed loop, and the loop."""
     loop = asyncio.new_event_loop()
     loop.close()
-    try:
-        loop.call_soon_threadsafe(print)
-    except RuntimeError as e:
-        closed = e
+    with pytest.raises(RuntimeError, match="^Event loop is closed$") as info:
+        getattr(loop, call)(print)
+    return info.value, loop
+
+
+def _unraisable(error: BaseException, obj=None) -> types.SimpleNamespace:
+    """`error` as sys.unraisablehook gets it from a thread without the Python frame that
+    called the loop (as TensorStore's threads raise it)."""
+    traceback = error.__traceback__ and error.__traceback__.tb_next
+    return types.SimpleNamespace(
+        exc_type=type(error), exc_value=error, exc_traceback=traceback, err_msg=None, object=obj
+    )
+
+
+def _unraisables_seen(monkeypatch) -> list:
+    """What reaches sys.unraisablehook once the stray-read filter is put on it."""
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
     monkeypatch.setattr(checkpoints, "_stray_reads_dropped", False)
     checkpoints._drop_stray_read_errors()
+    return seen
 
-    def unraisable(error, obj=None):
-        # As TensorStore's threads raise it: no Python frame calls call_soon_threadsafe.
-        traceback = error.__traceback__ and error.__traceback__.tb_next
-        return types.SimpleNamespace(
-            exc_type=type(error), exc_value=error, exc_traceback=traceback, err_msg=None, object=obj
-        )
 
-    sys.unraisablehook(unraisable(closed))
+def test_late_reads_of_a_failed_restore_print_no_tracebacks(monkeypatch):
+    # TensorStore reports these through sys.unraisablehook, one per read still running.
+    closed, loop = _closed_loop_error("call_soon_threadsafe")
+    seen = _unraisables_seen(monkeypatch)
+    sys.unraisablehook(_unraisable(closed))
     assert seen == []
-    other = [unraisable(RuntimeError("something else")), unraisable(closed, obj=loop)]
+    other = [_unraisable(RuntimeError("something else")), _unraisable(closed, obj=loop)]
     for u in other:
         sys.unraisablehook(u)
     assert seen == other
@@ -1147,25 +1154,10 @@ def test_the_software_changes_of_a_resume_are_against_the_last_record(tmp_path):
 
 def test_only_the_closed_loop_error_of_a_late_read_is_dropped(monkeypatch):
     # "Event loop is closed" from any other call than TensorStore's callback still shows.
-    import asyncio
-    import types
-
-    loop = asyncio.new_event_loop()
-    loop.close()
-    try:
-        loop.call_soon(print)
-    except RuntimeError as e:
-        elsewhere = e
-    seen = []
-    monkeypatch.setattr(sys, "unraisablehook", seen.append)
-    monkeypatch.setattr(checkpoints, "_stray_reads_dropped", False)
-    checkpoints._drop_stray_read_errors()
-    traceback = elsewhere.__traceback__.tb_next  # in call_soon, not call_soon_threadsafe
-    assert str(elsewhere) == "Event loop is closed" and traceback is not None
-    unraisable = types.SimpleNamespace(
-        exc_type=RuntimeError, exc_value=elsewhere, exc_traceback=traceback, err_msg=None,
-        object=None,
-    )  # fmt: skip
+    elsewhere, _ = _closed_loop_error("call_soon")
+    seen = _unraisables_seen(monkeypatch)
+    unraisable = _unraisable(elsewhere)
+    assert unraisable.exc_traceback is not None  # in call_soon, not call_soon_threadsafe
     sys.unraisablehook(unraisable)
     assert seen == [unraisable]
 
