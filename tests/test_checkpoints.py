@@ -130,6 +130,13 @@ def test_update_meta_changes_what_a_resume_reads_and_nothing_else(tmp_path, para
     with pytest.raises(TypeError):  # not JSON: the saved meta item stays whole
         update_meta(tmp_path, 4, {"rng": object()})
     assert read_meta(tmp_path, 4) == changed
+    # Valid JSON that no save writes, as read_meta refuses it: one line, the file as it was.
+    meta_file = tmp_path / "checkpoints" / "8" / "meta" / "metadata"
+    meta_file.write_text("[1, 2]")
+    for read in (lambda: read_meta(tmp_path, 8), lambda: update_meta(tmp_path, 8, {"rng": [0]})):
+        with pytest.raises(CheckpointError, match="step 8 .* no JSON object: \\[1, 2\\]$"):
+            read()
+    assert meta_file.read_text() == "[1, 2]"
 
 
 def test_keeps_last_k_plus_best_and_finds_best(tmp_path, params):

@@ -936,8 +936,15 @@ def read_meta(workdir: str | os.PathLike, step: int) -> dict[str, Any]:
     Raises:
       CheckpointError: no checkpoint at `step`, or its meta item is no JSON object.
     """
-    meta = ocp.JsonCheckpointHandler().restore(_meta_item(workdir, step))
-    if not isinstance(meta, dict):  # valid JSON, but no save wrote it: one line, no traceback
+    return _meta_object(
+        ocp.JsonCheckpointHandler().restore(_meta_item(workdir, step)), workdir, step
+    )
+
+
+def _meta_object(meta: Any, workdir: str | os.PathLike, step: int) -> dict[str, Any]:
+    """`meta`, read from checkpoint `step`'s meta item, if it is a JSON object as a save
+    writes; otherwise a one-line CheckpointError (valid JSON, but no save wrote it)."""
+    if not isinstance(meta, dict):
         raise CheckpointError(
             f"checkpoint step {step} in {checkpoint_dir(workdir)} has a meta item that is no "
             f"JSON object: {str(meta)[:40]}"
@@ -960,10 +967,11 @@ def update_meta(workdir: str | os.PathLike, step: int, changes: dict[str, Any]) 
       The meta item as now saved.
 
     Raises:
-      CheckpointError: no checkpoint at `step`.
+      CheckpointError: no checkpoint at `step`, or its meta item is no JSON object.
     """
     path = _meta_item(workdir, step) / _META_FILE
-    meta = _merged(path, changes)
+    saved = _meta_object(json.loads(path.read_text(encoding="utf-8")), workdir, step)
+    meta = {**saved, **changes}
     write_text_atomically(path, json.dumps(meta))
     return meta
 
