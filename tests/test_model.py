@@ -432,6 +432,34 @@ def test_incremental_decoding_matches_the_full_decoder(overrides):
     np.testing.assert_allclose(incremental, full, atol=1e-5)
 
 
+def test_a_cached_step_may_take_several_positions_at_once():
+    # A forced prefix can be fed in one cached step: each chunk is written at the
+    # cache's index, its queries are placed and masked from there, and the next step
+    # starts after the chunk's last position, so the logits are the full decoder's.
+    rng = np.random.default_rng(5)
+    src, tgt = _batch(rng)
+    tgt = tgt.at[2].set(jnp.asarray(rng.integers(1, VOCAB, 6)))  # a prefix has no padding
+    model, params = _init(_config(), src, tgt)
+    full = _logits_fn(model)(params, src, tgt)
+    encoded = model.apply({"params": params}, src, method=Transformer.encode)
+    _, state = model.apply(
+        {"params": params}, encoded, src, 10, method=Transformer.init_cache, mutable=["cache"]
+    )
+    chunks = []
+    for start, stop in [(0, 3), (3, 4), (4, 6)]:
+        logits, state = model.apply(
+            {"params": params, "cache": state["cache"]},
+            encoded,
+            src,
+            tgt[:, start:stop],
+            decode=True,
+            method=Transformer.decode,
+            mutable=["cache"],
+        )
+        chunks.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(chunks, axis=1), full, atol=1e-5)
+
+
 def test_stepping_past_the_cache_gives_nan_not_wrong_logits():
     rng = np.random.default_rng(5)
     src, tgt = _batch(rng)

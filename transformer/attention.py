@@ -135,8 +135,9 @@ class MultiHeadAttention(nn.Module):
         heads, d_head] and the scalar `cache_index`. The first call, made with
         a dummy target of length max_decode_len in `init` or inside
         `creating_cache()`, only creates them (a call elsewhere that finds no
-        cache is a ValueError); each later call appends one position and
-        attends to the positions written so far.
+        cache is a ValueError); each later call appends its positions (one per
+        step in the searches; several at once feed a forced prefix) and attends
+        to the positions written so far, causally among its own.
       - cross-attention: `cross_key`/`cross_value` [batch, src_len, heads,
         d_head], projected from the encoder output by the first call and read
         by every later one.

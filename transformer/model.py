@@ -272,10 +272,12 @@ class Decoder(nn.Module):
           tgt_BT: int decoder input ids [batch, tgt_len]: the target shifted
             right behind the start token.
           train: enables dropout.
-          decode: incremental decoding: `tgt_BT` holds the next position only
-            (tgt_len 1) and the "cache" collection holds the past, created first by
-            a call on a dummy target of length max_decode_len in `init` or inside
-            `transformer.attention.creating_cache()` (a step without it is a ValueError).
+          decode: incremental decoding: `tgt_BT` holds the next position(s) (tgt_len
+            1 in the searches; more feed a forced prefix in one step, without
+            padding, which a cached step does not mask) and the "cache" collection
+            holds the past, created first by a call on a dummy target of length
+            max_decode_len in `init` or inside `transformer.attention.creating_cache()`
+            (a step without it is a ValueError).
           beams: rows of `tgt_BT` per source sentence outside `decode` (beam
             search; a sentence's rows adjacent, as `jnp.repeat` orders them):
             another target batch than `beams` times the source's is a ValueError,
