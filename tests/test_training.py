@@ -819,6 +819,43 @@ def test_a_validation_a_stop_skipped_is_run_on_the_next_resume_only(
     assert timeless(read_metrics(workdir)) == timeless(read_metrics(tmp_path / "straight"))
 
 
+def test_a_kill_before_a_made_up_validation_is_marked_leaves_one_record_of_it(
+    tiny_setup, tmp_path, monkeypatch
+):
+    # The resume that runs a validation a stop skipped writes its record, then marks the
+    # checkpoint's meta item; killed between the two, the next resume runs it again, and
+    # metrics.jsonl still has one record of it.
+    monkeypatch.setattr(training, "evaluate_bleu", lambda *args, **kwargs: 7.5)
+    validation = _one_batch_validation(tiny_setup, sources=["a"], references=["b"])
+
+    def run(stop_at=None):
+        trainer, batcher = _eight_step_trainer(tiny_setup, tmp_path, eval_every=0, bleu_every=4)
+        stop = threading.Event()
+        batches = _stop_at(stop_at, with_data_state(batcher), stop, trainer.step)
+        try:
+            return trainer.run(batches, 8, validation, stop_event=stop)
+        finally:
+            trainer.close()
+
+    run(stop_at=8)
+
+    class Killed(Exception):
+        pass
+
+    def killed(*args, **kwargs):
+        raise Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(training.Checkpoints, "record_meta", killed)
+        with pytest.raises(Killed):
+            run()
+    assert [r["step"] for r in read_metrics(tmp_path) if "val_bleu" in r] == [4, 8]
+    assert run().best_step == 8
+    # Step 8's training record stays; only its validation record was redone.
+    records = [(r["step"], "val_bleu" in r) for r in read_metrics(tmp_path)]
+    assert records == [(4, False), (4, True), (8, False), (8, True)]
+
+
 def _clocked(tiny_setup, monkeypatch):
     """The Trainer's clock made to move 1 s per training batch and 1000 s per validation.
 

@@ -727,6 +727,16 @@ class MetricsLog:
         for name, value in values.items():
             self._writer.add_scalar(name, float(value), int(step))
 
+    def drop_validation(self, step: int) -> None:
+        """Removes the validation records of `step` from metrics.jsonl (one about to be
+        redone)."""
+        if not self.enabled or not self.path.exists():
+            return
+        records = metrics_records(self.path)
+        kept = [r for r in records if r["step"] != step or "val_loss" not in r]
+        if len(kept) < len(records):
+            _rewrite_metrics(self.path, kept)
+
     def close(self) -> None:
         """Flushes the TensorBoard writer."""
         writer, self._writer = self._writer, None
@@ -750,10 +760,15 @@ def truncate_metrics(path: str | os.PathLike, last_step: int) -> list[dict[str, 
     writing loses no record."""
     path = Path(path)
     kept = [r for r in metrics_records(path) if r["step"] <= last_step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    _rewrite_metrics(path, kept)
     return kept
+
+
+def _rewrite_metrics(path: Path, records: list[dict[str, Any]]) -> None:
+    """Replaces a metrics.jsonl file with `records`, renamed over it whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict[str, float]]:
@@ -1197,6 +1212,9 @@ class Trainer:
         due_eval, due_bleu = self._validation_due(step)
         if validation is None or not (due_eval or due_bleu):
             return
+        # A run killed after this record but before the meta rewrite below left one, kept
+        # on resume as the step's own: the validation is run again, so it goes.
+        self._metrics.drop_validation(step)
         val_bleu = self._validate_and_record(
             validation, bleu=due_bleu, note=" (skipped by the stop)"
         )
