@@ -347,19 +347,30 @@ def _batcher(tokenizer, encoded):
 _RECIPE = dict(warmup_steps=10, learning_rate_scale=0.3, label_smoothing=0.0, bleu_every=0)
 
 
+def _one_step_setup(tiny_setup, **model_changes):
+    """The tiny model (its config with `model_changes`), its optimizer, the state at seed 0
+    and one batch."""
+    tokenizer, encoded, model_config = tiny_setup
+    model = Transformer(model_config.replace(**model_changes))
+    optimizer = make_optimizer(TrainConfig(steps=10, **_RECIPE), model_config.d_model)
+    state = create_train_state(model, optimizer, seed=0)
+    return model, optimizer, state, next(iter(_batcher(tokenizer, encoded)))
+
+
+def _flat(batch):
+    """A batch's src, tgt_in and tgt_out with the device axis merged into the batch's."""
+    return (np.concatenate(batch[k]) for k in ("src", "tgt_in", "tgt_out"))
+
+
 def test_the_step_loss_is_per_real_target_token_and_nll_is_unsmoothed(tiny_setup):
     # Every other test compares runs with runs: a loss divided by source tokens, or an nll
     # with the smoothing in it, passed them all.
-    tokenizer, encoded, model_config = tiny_setup
-    model = Transformer(model_config)
-    recipe = TrainConfig(steps=10, **{**_RECIPE, "label_smoothing": 0.1})
-    optimizer = make_optimizer(recipe, model_config.d_model)
-    state = create_train_state(model, optimizer, seed=0)
-    batch = next(iter(_batcher(tokenizer, encoded)))
+    tokenizer = tiny_setup[0]
+    model, optimizer, state, batch = _one_step_setup(tiny_setup)
     step = make_train_step(model, optimizer, label_smoothing=0.1, pad_id=tokenizer.pad_id)
     _, metrics = step(replicate(state), batch)
     metrics = {k: float(v) for k, v in unreplicate(metrics).items()}
-    src, tgt_in, tgt_out = (np.concatenate(batch[k]) for k in ("src", "tgt_in", "tgt_out"))
+    src, tgt_in, tgt_out = _flat(batch)
     logits = jax.jit(model.apply)({"params": state.params}, src, tgt_in)
     logits = np.asarray(logits, np.float64)
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
@@ -407,11 +418,8 @@ def test_a_batch_without_the_device_axis_is_an_error_naming_that_axis():
 def test_each_step_draws_its_own_dropout_masks(tiny_setup):
     # A key folded with a constant in place of the step passed every test: one mask for
     # the whole run. Same parameters and batch, steps 0 and 1: other masks, other losses.
-    tokenizer, encoded, model_config = tiny_setup
-    model = Transformer(model_config.replace(dropout_rate=0.3))
-    optimizer = make_optimizer(TrainConfig(steps=10, **_RECIPE), model_config.d_model)
-    state = create_train_state(model, optimizer, seed=0)
-    batch = next(iter(_batcher(tokenizer, encoded)))
+    tokenizer = tiny_setup[0]
+    model, optimizer, state, batch = _one_step_setup(tiny_setup, dropout_rate=0.3)
     step = make_train_step(model, optimizer, label_smoothing=0.0, pad_id=tokenizer.pad_id)
     losses = []
     for at in (0, 0, 1):
@@ -427,11 +435,8 @@ def test_a_step_updates_the_state_in_place_and_padding_alone_changes_nothing(tin
     # The state is donated: the step's input buffers are reused for its output, so a
     # run holds one copy of the parameters and Adam's moments, not two. A global batch
     # of padding alone (no target token) is a zero loss and gradient, not 0 / 0 = NaN.
-    tokenizer, encoded, model_config = tiny_setup
-    model = Transformer(model_config)
-    optimizer = make_optimizer(TrainConfig(steps=10, **_RECIPE), model_config.d_model)
-    state = create_train_state(model, optimizer, seed=0)
-    batch = next(iter(_batcher(tokenizer, encoded)))
+    tokenizer = tiny_setup[0]
+    model, optimizer, state, batch = _one_step_setup(tiny_setup)
     empty = {**batch, "tgt_out": np.full_like(batch["tgt_out"], tokenizer.pad_id)}
     step = make_train_step(model, optimizer, label_smoothing=0.1, pad_id=tokenizer.pad_id)
     given = replicate(state)
@@ -448,14 +453,12 @@ def test_a_step_updates_the_state_in_place_and_padding_alone_changes_nothing(tin
 def test_validation_of_a_model_with_dropout_is_without_it(tiny_setup):
     # An eval step in training mode passed every other test: each model they gave it had
     # no dropout. The validation nll is the dropout-free model's, as the search sees it.
-    tokenizer, encoded, model_config = tiny_setup
-    model = Transformer(model_config.replace(dropout_rate=0.3))
-    optimizer = make_optimizer(TrainConfig(steps=10, **_RECIPE), model_config.d_model)
-    params = create_train_state(model, optimizer, seed=0).params
-    batch = next(iter(_batcher(tokenizer, encoded)))
+    tokenizer = tiny_setup[0]
+    model, _, state, batch = _one_step_setup(tiny_setup, dropout_rate=0.3)
+    params = state.params
     eval_step = make_eval_step(model, label_smoothing=0.1, pad_id=tokenizer.pad_id)
     val = evaluate_loss(eval_step, replicate(params), [batch])
-    src, tgt_in, tgt_out = (np.concatenate(batch[k]) for k in ("src", "tgt_in", "tgt_out"))
+    src, tgt_in, tgt_out = _flat(batch)
     logits = jax.jit(model.apply)({"params": params}, src, tgt_in)
     nll_sum, n = label_smoothed_cross_entropy(logits, tgt_out, tokenizer.pad_id, 0.0)
     assert val["val_nll"] == pytest.approx(float(nll_sum) / int(n), rel=1e-5)
@@ -990,14 +993,11 @@ def test_bfloat16_logits_give_the_float32_loss():
 def test_the_logged_gradient_norm_is_the_global_batchs_gradient_norm(tiny_setup):
     # grad_norm (the log's, and the clipping's measure) is the norm of the gradient of the
     # step's mean loss, not of the update Adam makes of it.
-    tokenizer, encoded, model_config = tiny_setup
-    model = Transformer(model_config)
-    optimizer = make_optimizer(TrainConfig(steps=10, **_RECIPE), model_config.d_model)
-    state = create_train_state(model, optimizer, seed=0)
-    batch = next(iter(_batcher(tokenizer, encoded)))
+    tokenizer = tiny_setup[0]
+    model, optimizer, state, batch = _one_step_setup(tiny_setup)
     step = make_train_step(model, optimizer, label_smoothing=0.1, pad_id=tokenizer.pad_id)
     _, metrics = step(replicate(state), batch)
-    src, tgt_in, tgt_out = (np.concatenate(batch[k]) for k in ("src", "tgt_in", "tgt_out"))
+    src, tgt_in, tgt_out = _flat(batch)
 
     def mean_loss(params):
         logits = model.apply({"params": params}, src, tgt_in)
