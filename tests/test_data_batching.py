@@ -60,6 +60,15 @@ def global_rows(batch, key):
 # --- encode_corpus and its cache ---
 
 
+class OneTokenPerWord:
+    """A stand-in tokenizer whose token counts are plain to see."""
+
+    eos_id, fingerprint = 2, "one token per word"
+
+    def encode_batch(self, texts):
+        return [[5] * len(t.split()) for t in texts]
+
+
 def test_encode_appends_eos_and_counts_long_pairs(multi30k_tokenizer):
     tok = multi30k_tokenizer
     long = " ".join(["Ein Hund läuft."] * 40)
@@ -109,10 +118,73 @@ def test_token_cache_is_reused_and_invalidated(multi30k_tokenizer, multi30k_slic
     in_use = data.encoded_cache_file(tok, edited, cache, max_len=64)
     assert in_use in cache.glob("encoded-*.npz")
     (cache / "notes.txt").write_text("mine")
+    (cache / "other.npz").write_bytes(b"not ours either")
     removed, failed = data.prune_encoded_cache(cache, keep=[in_use])
     assert len(removed) == 4 and failed == [] and in_use not in removed
-    assert sorted(cache.iterdir()) == sorted([in_use, cache / "notes.txt"])
+    assert sorted(cache.iterdir()) == sorted([in_use, cache / "notes.txt", cache / "other.npz"])
     assert data.prune_encoded_cache(tmp_path / "no such folder", keep=[]) == ([], [])
+
+
+def test_the_token_cache_file_changes_with_the_normalization_and_the_cache_format(
+    tmp_path, monkeypatch
+):
+    # Ids cached before normalize() or the file's layout changed must not be read as current.
+    corpus = data.Corpus(src=["Ein Mann."], tgt=["A man."], summary=None)
+    tok = OneTokenPerWord()
+    before = data.encoded_cache_file(tok, corpus, tmp_path)
+    monkeypatch.setattr(
+        data.batching, "NORMALIZATION_VERSION", data.batching.NORMALIZATION_VERSION + 1
+    )
+    renormalized = data.encoded_cache_file(tok, corpus, tmp_path)
+    monkeypatch.setattr(data.batching, "_CACHE_FORMAT", data.batching._CACHE_FORMAT + 1)
+    assert len({before, renormalized, data.encoded_cache_file(tok, corpus, tmp_path)}) == 3
+
+
+def test_corpora_that_split_the_same_text_otherwise_have_their_own_cache_files(tmp_path):
+    # Each cache file is read for one corpus; these pairs run together into one string.
+    corpora = [
+        (["ab", "c"], ["x", "y"]),
+        (["a", "bc"], ["x", "y"]),  # where one sentence ends
+        (["a", "b"], ["c", "d"]),
+        (["a", "bc"], ["", "d"]),  # where the sources end and the targets begin
+        ([""], [""]),
+        ([], []),  # how many pairs
+    ]
+    files = {
+        data.encoded_cache_file(OneTokenPerWord(), data.Corpus(src, tgt, summary=None), tmp_path)
+        for src, tgt in corpora
+    }
+    assert len(files) == len(corpora)
+
+
+def test_a_cached_corpus_says_how_many_pairs_were_too_long(tmp_path):
+    # train.py prints the count; read from the cache, it was 0 and the limit was not named.
+    corpus = data.Corpus(src=["a " * 8, "a", "a"], tgt=["a", "a " * 8, "a"], summary=None)
+    first = data.encode_corpus(OneTokenPerWord(), corpus, max_len=8, cache_dir=tmp_path)
+    again = data.encode_corpus(OneTokenPerWord(), corpus, max_len=8, cache_dir=tmp_path)
+    assert again.num_too_long == first.num_too_long == 2 and len(again) == 1
+    assert str(again) == str(first) == "1 pairs encoded, 2 longer than 8 tokens dropped"
+
+
+def test_a_cache_file_that_cannot_be_deleted_is_reported_and_not_counted_removed(
+    tmp_path, monkeypatch
+):
+    # train.py warns with the failed lines and says how many files went.
+    stale = [tmp_path / "encoded-a.npz", tmp_path / "encoded-b.npz"]
+    for path in stale:
+        path.write_bytes(b"ids")
+    unlink = pathlib.Path.unlink
+
+    def denied_for_a(self, *args, **kwargs):
+        if self.name == "encoded-a.npz":
+            raise PermissionError(13, "Permission denied", str(self))
+        return unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", denied_for_a)
+    assert data.prune_encoded_cache(tmp_path, keep=[]) == (
+        [stale[1]],
+        [f"{stale[0]}: Permission denied"],
+    )
 
 
 def test_a_stale_file_another_host_deleted_first_is_no_failure(tmp_path, monkeypatch):
@@ -310,6 +382,10 @@ def test_shuffle_depends_on_seed_and_epoch(small, multi30k_tokenizer):
     ]
     # Measured: 0 of 28 batches alike here; 7 with one shuffle of each bucket for all epochs.
     assert len(groups[0] & groups[1]) <= n // 10
+    # Another seed groups the sentences otherwise from the first epoch on.
+    b = batcher(small, multi30k_tokenizer, max_tokens=512, seed=1)
+    other_seed = {frozenset(row.tobytes() for row in global_rows(next(b), "src")) for _ in range(n)}
+    assert len(groups[0] & other_seed) <= n // 10
 
 
 def test_the_order_of_shapes_is_shuffled_anew_every_epoch(multi30k_tokenizer):
@@ -317,25 +393,26 @@ def test_the_order_of_shapes_is_shuffled_anew_every_epoch(multi30k_tokenizer):
     # shuffle of the batch order for all epochs, the shapes came in the same order each time.
     lengths = [n for n in (4, 8, 16, 32) for _ in range(16)]
     pairs = [np.arange(5, 5 + n, dtype=np.int32) for n in lengths]
-    b = batcher(data.EncodedCorpus(src=pairs, tgt=pairs), multi30k_tokenizer, max_tokens=64)
-    assert [r for r, _, _ in b.shapes] == [8] * 4 and b.batches_per_epoch == 8
-    orders = [[next(b)["src"].shape[-1] for _ in range(8)] for _epoch in range(3)]
+
+    def shape_orders(seed):
+        b = batcher(
+            data.EncodedCorpus(src=pairs, tgt=pairs), multi30k_tokenizer, max_tokens=64, seed=seed
+        )
+        assert [r for r, _, _ in b.shapes] == [8] * 4 and b.batches_per_epoch == 8
+        return [[next(b)["src"].shape[-1] for _ in range(8)] for _epoch in range(3)]
+
+    orders = shape_orders(seed=0)
     assert sorted(orders[0]) == sorted(orders[1]) == [4, 4, 8, 8, 16, 16, 32, 32]
     assert orders[0] != orders[1] and orders[1] != orders[2]
+    assert shape_orders(seed=1) != orders  # the seed orders the shapes too
 
 
 def test_pairs_up_to_max_len_tokens_with_eos_are_kept_and_longer_ones_dropped():
     # The boundary itself: pairs far over the limit passed with an off-by-one there.
-    class Words:  # one token per word
-        eos_id = 2
-
-        def encode_batch(self, texts):
-            return [[5] * len(t.split()) for t in texts]
-
     src = ["a " * 7, "a " * 8, "a", "a"]  # 7 + eos = 8 tokens: kept; 9: dropped
     tgt = ["a", "a", "a " * 7, "a " * 8]
     corpus = data.Corpus(src=src, tgt=tgt, summary=None)
-    encoded = data.encode_corpus(Words(), corpus, max_len=8)
+    encoded = data.encode_corpus(OneTokenPerWord(), corpus, max_len=8)
     assert [len(x) for x in encoded.src] == [8, 2] and [len(y) for y in encoded.tgt] == [2, 8]
     assert encoded.num_too_long == 2
 
@@ -366,9 +443,15 @@ def test_restore_refuses_other_data_or_settings(small, multi30k_tokenizer):
     fewer = data.EncodedCorpus(src=small.src[:-1], tgt=small.tgt[:-1])
     retold = [y.copy() for y in small.tgt]  # one target token changed, every length the same
     retold[0][0] += 1
+    resaid = [x.copy() for x in small.src]  # the same on the source side
+    resaid[0][0] += 1
+    moved = [x.copy() for x in small.src]  # every token the same, one moved to the next pair
+    moved[1], moved[2] = moved[1][:-1], np.concatenate([moved[1][-1:], moved[2]])
     for other in (
         batcher(fewer, tok, max_tokens=512),
         batcher(data.EncodedCorpus(src=small.src, tgt=retold), tok, max_tokens=512),
+        batcher(data.EncodedCorpus(src=resaid, tgt=small.tgt), tok, max_tokens=512),
+        batcher(data.EncodedCorpus(src=moved, tgt=small.tgt), tok, max_tokens=512),
         batcher(small, tok, max_tokens=1024),
         batcher(small, tok, max_tokens=512, seed=1),
     ):
@@ -426,6 +509,10 @@ def test_a_resume_on_a_device_count_of_other_batches_names_the_counts_to_use(
         )
     state = json.loads(json.dumps(batcher(small, tok, max_tokens=512, num_devices=3).state()))
     with pytest.raises(data.DataError, match="resume on 3, 6, 12 or 24 devices in all"):
+        one.restore(state)
+    # A state of 3 hosts of one device each counts the devices of all hosts.
+    state = json.loads(json.dumps(host_batchers(small, tok, 1, 3, max_tokens=512)[0].state()))
+    with pytest.raises(data.DataError, match="made for 3 devices"):
         one.restore(state)
     del state["devices"]  # a checkpoint from before the state kept its device count
     with pytest.raises(data.DataError, match="seed or device count changed"):
@@ -615,6 +702,48 @@ def test_shapes_of_as_many_pairs_are_shuffled_each_its_own_way():
     assert orders[4] != [i - 16 for i in orders[32]]  # not one permutation for both
 
 
+def test_without_shuffle_the_batches_are_the_corpus_in_order_shape_by_shape():
+    # shuffle=False: a reproducible order to read and debug batches by.
+    src = [ids(4), ids(32)] * 16
+    tgt = [np.concatenate([[100 + i], ids(3)]).astype(np.int32) for i in range(32)]
+    b = toy_batcher(src, tgt, max_tokens=64, shuffle=False)
+    firsts = [global_rows(next(b), "tgt_out")[:, 0] - 100 for _ in range(2 * b.batches_per_epoch)]
+    in_order = [*range(0, 32, 2), *range(1, 32, 2)]  # the (4, 4) pairs, then the (32, 4) ones
+    assert np.concatenate(firsts).tolist() == in_order * 2
+
+
+def test_the_batcher_makes_at_most_max_shapes_shapes():
+    # --max-shapes bounds the train-step programs compiled.
+    pairs = [ids(n) for n in (4, 8, 16, 32) for _ in range(16)]
+    assert toy_batcher(pairs, pairs, max_tokens=64).num_shapes == 4
+    assert toy_batcher(pairs, pairs, max_tokens=64, max_shapes=2).num_shapes == 2
+
+
+def test_a_pair_goes_to_the_covering_shape_of_fewest_positions():
+    # Three (2, 8) pairs, too few for a shape of their own: (8, 8) pads them to 16
+    # positions, (2, 20) to 22 (fewer cells of the rectangle, but more positions).
+    src = [ids(2)] * 16 + [ids(8)] * 16 + [ids(2)] * 3
+    tgt = [ids(20)] * 16 + [ids(8)] * 16 + [ids(8)] * 3
+    b = toy_batcher(src, tgt, max_tokens=200)
+    assert b.shapes == [(8, 8, 8), (8, 2, 20)]
+    pairs_per_shape = dict.fromkeys([(8, 8), (2, 20)], 0)
+    for batch in b.one_pass():
+        pairs_per_shape[batch["src"].shape[-1], batch["tgt_out"].shape[-1]] += int(
+            (global_rows(batch, "tgt_out")[:, 0] != 0).sum()
+        )
+    assert pairs_per_shape == {(8, 8): 16 + 3, (2, 20): 16}
+
+
+def test_the_shuffles_kept_in_memory_stay_few_over_many_epochs():
+    # Each (shape, epoch) shuffle is a corpus-sized array: kept for every epoch of a long
+    # run, they filled host memory.
+    pairs = [ids(4)] * 12 + [ids(32)] * 12
+    b = toy_batcher(pairs, pairs, max_tokens=64)
+    for _ in range(60 * b.batches_per_epoch):
+        next(b)
+    assert b.epoch >= 50 and len(b._perm_cache) <= 4 * b.num_shapes + 1
+
+
 def padded_positions(src_len, tgt_len, shapes):
     """Source plus target positions of every pair padded to the cheapest shape covering it."""
     positions = np.array([S + T for S, T in shapes])
@@ -632,7 +761,7 @@ def check_shapes(src_len, tgt_len, shapes, max_shapes):
 def test_bucket_shapes_are_not_improved_by_swapping_any_one_shape():
     # The greedy pick and its swap passes end where no shape but the covering one, swapped
     # for another (S, T), pads less: checked against every S and T of the corpus's lengths.
-    for seed in range(6):
+    for seed in (*range(6), 20):  # seed 20: one swap pass leaves a shape to swap
         rng = np.random.default_rng(seed)
         src = rng.integers(1, 30, 200)
         tgt = np.clip(src + rng.integers(-5, 6, 200), 1, None)
@@ -664,6 +793,13 @@ def test_no_shape_is_kept_that_pads_no_pair_less():
     # budget still compiles two programs.
     lengths = np.array([4] * 10 + [32] * 10)
     assert data.batching.choose_bucket_shapes(lengths, lengths, max_shapes=12) == [(4, 4), (32, 32)]
+    # Nor (4, 4) where no pair is that short on both sides (the covering shape stays).
+    src, tgt = np.array([4] * 10 + [40] * 10), np.array([40] * 10 + [4] * 10)
+    assert data.batching.choose_bucket_shapes(src, tgt, max_shapes=12) == [
+        (4, 40),
+        (40, 4),
+        (40, 40),
+    ]
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 import concurrent.futures
 import gzip
 import os
+import socket
 import stat
 
 import pytest
@@ -27,6 +28,12 @@ def test_normalize_folds_spaces_entities_and_invisibles():
     assert data.normalize("AT&T &copy") == "AT&T &copy"  # only the XML entities are unescaped
     assert data.normalize("a\u200bb\ufeff") == "ab"
     assert data.normalize("a\u2060b") == "ab"  # word joiner
+    assert data.normalize("&quot;Hi&quot;, he&apos;s") == '"Hi", he\'s'  # all five entities
+    # Zero-width (non-)joiners stay: they spell Persian and Indic words, and emoji.
+    assert data.normalize("\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645") == (
+        "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645"
+    )
+    assert data.normalize("\U0001f469\u200d\U0001f4bb") == "\U0001f469\u200d\U0001f4bb"
     assert data.normalize("\uff21\uff22 \ufb01") == "AB fi"  # NFKC: full-width, ligature
     assert data.normalize("a\x00b\x1bc") == "abc"
     assert data.normalize(" \t \u00a0 ") == ""
@@ -78,10 +85,11 @@ def test_read_lines_splits_on_newline_only(tmp_path):
 
 def test_utf16_and_lone_carriage_returns_are_named_not_misread(tmp_path):
     utf16 = tmp_path / "u16.en"
-    utf16.write_bytes("hi\nyo\n".encode("utf-16"))  # with its byte-order mark
-    with pytest.raises(data.DataError) as e:
-        data.read_lines(utf16)
-    assert str(utf16) in one_line(e) and "iconv -f utf-16 -t utf-8" in one_line(e)
+    for encoding in ("utf-16-le", "utf-16-be"):  # with a byte-order mark, either way round
+        utf16.write_bytes("\ufeffhi\nyo\n".encode(encoding))
+        with pytest.raises(data.DataError) as e:
+            data.read_lines(utf16)
+        assert str(utf16) in one_line(e) and "iconv -f utf-16 -t utf-8" in one_line(e)
     # Classic Mac line ends: one line of three sentences before, so one training pair.
     mac = tmp_path / "mac.en"
     # With a final \n too (`echo >> file`), the check was off and the lines were merged.
@@ -98,6 +106,10 @@ def test_utf16_and_lone_carriage_returns_are_named_not_misread(tmp_path):
     one = tmp_path / "one.en"
     one.write_bytes(b"a man\r")
     assert data.read_lines(one) == ["a man"]
+    # So do stray ones in a file of one line and in a Windows (\r\n) file.
+    for text, lines in ((b"a\rb\n", ["a\rb"]), (b"a\rb\r\nc\rd\r\n", ["a\rb", "c\rd"])):
+        stray.write_bytes(text)
+        assert data.read_lines(stray) == lines
 
 
 def test_invalid_utf8_names_file_and_line(multi30k_slice):
@@ -110,6 +122,8 @@ def test_invalid_utf8_names_file_and_line(multi30k_slice):
         data.read_parallel(d / "train.en", d / "train.de")
     message = one_line(e)
     assert str(d / "train.de") in message and "line 7" in message and "UTF-8" in message
+    offset = len(b"\n".join(lines[:6]) + b"\nEin M")  # of the byte \xe4, from 0
+    assert f"at byte {offset})" in message
 
 
 def test_gzipped_data_says_to_decompress_it(multi30k_slice):
@@ -131,6 +145,13 @@ def test_gzipped_data_says_to_decompress_it(multi30k_slice):
     assert one_line(e).endswith(
         "available splits: none; decompress train.en.gz and train.de.gz (gunzip)"
     )
+
+
+def test_a_folder_given_as_a_file_is_a_one_line_error(tmp_path):
+    # Not an IsADirectoryError traceback.
+    with pytest.raises(data.DataError) as e:
+        data.read_lines(tmp_path)
+    assert one_line(e) == f"cannot read {tmp_path}: Is a directory"
 
 
 def test_missing_file_is_named(multi30k_slice):
@@ -366,8 +387,15 @@ def test_a_name_of_an_open_file_is_appended_to_not_replaced(tmp_path):
         assert data.text.names_an_open_file(link) and data.text.is_written_in_place(link)
         data.text.write_text_atomically(f"/dev/fd/{f.fileno()}", "one\n")
         data.text.write_text_atomically(link, "two\n")
-        f.write("three\n")  # the redirect still writes into the same file
-    assert log.read_text() == "before\none\ntwo\nthree\n"
+        # Linux's own name for the descriptor, and a relative link to a link to one.
+        data.text.write_text_atomically(f"/proc/self/fd/{f.fileno()}", "three\n")
+        (tmp_path / "relative").symlink_to("out")
+        data.text.write_text_atomically(tmp_path / "relative", "four\n")
+        f.write("five\n")  # the redirect still writes into the same file
+    assert log.read_text() == "before\none\ntwo\nthree\nfour\nfive\n"
+    # A name that only begins like one is not one.
+    (tmp_path / "not_a_descriptor").symlink_to("/dev/stdout.txt")
+    assert not data.text.names_an_open_file(tmp_path / "not_a_descriptor")
     assert not data.text.names_an_open_file(log) and not data.text.is_written_in_place(log)
     (tmp_path / "a").symlink_to(tmp_path / "b")
     (tmp_path / "b").symlink_to(tmp_path / "a")
@@ -380,6 +408,8 @@ def test_writers_that_overlap_each_replace_the_file_whole(tmp_path, monkeypatch)
     path = tmp_path / "tokenizer.model"
 
     def first(tmp):
+        # Beside the file: renamed within one folder, so on one file system (atomic).
+        assert tmp.parent == path.parent
         with open(tmp, "wb") as f:
             f.write(b"one half, ")
             data.text.write_atomically(path, lambda t: t.write_bytes(b"the other host's\n"))
@@ -389,6 +419,19 @@ def test_writers_that_overlap_each_replace_the_file_whole(tmp_path, monkeypatch)
     data.text.write_atomically(path, first)
     assert path.read_bytes() == b"one half, the other half\n"
     assert [p.name for p in tmp_path.iterdir()] == ["tokenizer.model"]
+
+
+def test_what_is_there_and_no_regular_file_is_written_in_place(tmp_path, monkeypatch):
+    # A socket or a folder is not replaced by a file (the write fails, naming it).
+    server = tmp_path / "server.sock"
+    monkeypatch.chdir(tmp_path)  # bound by a short name: a socket's path has 108 bytes at most
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(server.name)
+        assert data.text.is_written_in_place(server) and data.text.is_written_in_place(tmp_path)
+        with pytest.raises(OSError) as e:
+            data.text.write_text_atomically(server, "x")
+        assert e.value.filename == str(server) and stat.S_ISSOCK(server.stat().st_mode)
+    assert not data.text.is_written_in_place(tmp_path / "new.txt")
 
 
 def test_write_text_atomically_leaves_the_old_file_or_the_new_never_half(tmp_path, monkeypatch):
