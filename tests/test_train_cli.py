@@ -214,6 +214,12 @@ def test_a_run_on_the_cpu_where_an_accelerator_was_expected_says_so(
     monkeypatch.setattr(host_memory, "accelerator_expected", lambda: False)
     assert train.main(_flags(slice_dir, tmp_path / "other", "--steps", "1")) == 0
     assert "warning: JAX runs on the CPU" not in capsys.readouterr().out
+    # Nor where JAX runs on the accelerator it found.
+    monkeypatch.setattr(host_memory, "accelerator_expected", lambda: True)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    logged = []
+    train.warn_of_cpu_fallback(logged.append)
+    assert logged == []
 
 
 # train.py in a subprocess that compiles its step programs side by side, as on a GPU, and
@@ -285,6 +291,100 @@ def test_validation_programs_are_compiled_ahead_only_when_a_validation_is_due():
     assert not train.validates_between(
         dataclasses.replace(config, eval_every=0, bleu_every=0), 0, 10**6
     )
+    # And compile_step_programs asks for the validation's programs by that rule.
+    assert _compiled_ahead(config, start=0, total_steps=999)[0] == [[TRAIN_LAYOUT], []]
+    assert _compiled_ahead(config, start=0, total_steps=1000)[0] == [[TRAIN_LAYOUT], [VAL_LAYOUT]]
+
+
+# A batch's src, tgt_in and tgt_out shapes, [devices, rows, length] (batch_layout).
+TRAIN_LAYOUT = ((1, 8, 5), (1, 8, 6), (1, 8, 6))
+VAL_LAYOUT = ((1, 8, 7), (1, 8, 9), (1, 8, 9))
+
+
+def _compiled_ahead(config, *, start, total_steps):
+    """What `compile_step_programs` asks a stand-in Trainer of `config` to compile, for one
+    training shape and one validation batch: [train layouts, validation layouts]; and the
+    stop request it was given."""
+    compiled = []
+
+    class Trainer:
+        def compile_steps(self, train_layouts, eval_layouts, *, stop):
+            compiled.extend([list(train_layouts), list(eval_layouts)])
+            return len(compiled[0]) + len(compiled[1])
+
+    trainer = Trainer()
+    trainer.config = config
+    layouts = zip(training.BATCH_KEYS, VAL_LAYOUT, strict=True)
+    batch = {name: np.zeros(shape) for name, shape in layouts}
+    loaded = train.TrainingData(
+        tokenizer=None,
+        batcher=argparse.Namespace(array_shapes=lambda: [TRAIN_LAYOUT]),
+        validation=argparse.Namespace(batches=lambda: [batch]),
+        summary=[],
+        cache_files=[],
+    )
+    stop = train.StopRequest()
+    train.compile_step_programs(
+        trainer, loaded, lambda line: None, start=start, total_steps=total_steps, stop=stop
+    )
+    return compiled, stop
+
+
+def test_a_stop_once_the_programs_are_compiled_ahead_says_it_saves_a_checkpoint():
+    # A stop while compiling saves nothing, and its line says so; once the compiling is
+    # done the loop saves a checkpoint at a stop, and the line must say that instead.
+    config = training.TrainConfig(steps=10, eval_every=0, bleu_every=0)
+    _, stop = _compiled_ahead(config, start=0, total_steps=10)
+    training_started = threading.Event()
+    training_started.set()
+    handler, logged = _stop_handler(stop, training_started)
+    _signalled(handler, signal.SIGTERM)
+    assert logged == [
+        "SIGTERM: saving a checkpoint, then stopping (a Ctrl-C now stops at once, maybe before it)"
+    ]
+
+
+def _stop_handler(stop, training_started):
+    """train.py's handler of the stop signals for `stop` (returned to be called, not left
+    installed) and the lines it logs."""
+    logged = []
+    previous = train.install_stop_handlers(stop, logged.append, training_started)
+    handler = signal.getsignal(signal.SIGTERM)
+    for signum, previous_handler in previous.items():
+        signal.signal(signum, previous_handler)
+    return handler, logged
+
+
+def _signalled(handler, signum):
+    """Calls the stop handler as `signum` would; a KeyboardInterrupt (the run ends at once)
+    fails the test instead of ending the test session."""
+    try:
+        handler(signum, None)
+    except KeyboardInterrupt:
+        pytest.fail(f"{signal.Signals(signum).name} ended the run at once")
+
+
+def test_only_a_second_ctrl_c_cuts_the_save_of_a_stopped_run_short():
+    # A scheduler may send SIGTERM again before it kills: the run still saves its checkpoint.
+    stop, training_started = train.StopRequest(), threading.Event()
+    training_started.set()
+    handler, _ = _stop_handler(stop, training_started)
+    _signalled(handler, signal.SIGTERM)
+    _signalled(handler, signal.SIGTERM)
+    assert stop.is_set() and stop.signum == signal.SIGTERM
+    with pytest.raises(KeyboardInterrupt):
+        handler(signal.SIGINT, None)
+
+
+def test_the_first_stop_signal_before_training_gives_the_exit_status():
+    # Ctrl-C, then a scheduler's SIGTERM, while the data loads: 130, as for the Ctrl-C alone.
+    stop = train.StopRequest()
+    handler, _ = _stop_handler(stop, threading.Event())
+    _signalled(handler, signal.SIGINT)
+    _signalled(handler, signal.SIGTERM)
+    with pytest.raises(train.PreTrainingStop) as stopped:
+        train.check_stop_before_training(stop)
+    assert stopped.value.signum == signal.SIGINT
 
 
 def test_sigterm_while_compiling_ahead_exits_without_waiting_for_the_compilations(
@@ -511,6 +611,19 @@ def test_resuming_with_other_package_versions_warns_and_goes_on(slice_dir, tmp_p
     assert environments[0]["packages"]["jaxlib"] == "0.0.1"  # the earlier record is kept
 
 
+def test_a_run_started_again_before_its_first_checkpoint_has_no_software_to_warn_of(
+    straight_run, slice_dir, tmp_path, capsys
+):
+    # Killed before its first checkpoint, a run starts again from step 0: nothing trained
+    # with the other software is mixed in, so the warning would be a false alarm.
+    config = load_run_config(straight_run)
+    config["environments"][-1]["packages"]["jaxlib"] = "0.0.1"
+    save_run_config(tmp_path, config)
+    assert train.main(_flags(slice_dir, tmp_path, "--steps", "1")) == 0
+    assert "other software" not in capsys.readouterr().out
+    assert [e["step"] for e in load_run_config(tmp_path)["environments"]] == [0, 0]
+
+
 def test_a_run_config_with_an_emptied_model_section_is_one_line(slice_dir, tmp_path, capsys):
     # It was a KeyError traceback, then a TypeError one.
     assert train.main(_flags(slice_dir, tmp_path, "--steps", "4")) == 0
@@ -524,6 +637,27 @@ def test_a_run_config_with_an_emptied_model_section_is_one_line(slice_dir, tmp_p
     err = capsys.readouterr().err
     assert err.startswith("error: the workdir's config.json has incomplete model settings (")
     assert err.count("\n") == 1 and checkpoint_steps(tmp_path) == [4]
+
+
+@pytest.mark.parametrize(
+    "field, value, difference",
+    [("pad_id", 1, "pad_id 1 there, 0 now"), ("vocab_size", 500, "--vocab-size 500 there, 400")],
+)
+def test_a_run_config_whose_model_disagrees_with_its_tokenizer_is_one_line(
+    straight_run, tmp_path, capsys, field, value, difference
+):
+    # An edited config.json: the model must not be built with another padding id or
+    # vocabulary than the tokenizer's. pad_id is the tokenizer's, so the error names the
+    # setting, not a --pad-id flag that does not exist.
+    run = tmp_path / "run"
+    shutil.copytree(straight_run, run)
+    config = load_run_config(run)
+    config["model"][field] = value
+    save_run_config(run, config)
+    assert train.main(["--workdir", str(run), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run} holds a run with other model settings ({difference}")
+    assert err.count("\n") == 1 and checkpoint_steps(run) == [8, 12, 16]
 
 
 def test_damaged_latest_checkpoint_is_reported_and_the_one_before_used(
@@ -766,14 +900,18 @@ def test_tokenized_splits_a_run_no_longer_reads_are_removed_once_it_trains(
     assert len(in_use) == 2  # the train and val splits
     stale = run / "cache" / ("encoded-" + "0" * 32 + ".npz")
     shutil.copy(in_use[0], stale)
+    stuck = run / "cache" / ("encoded-" + "1" * 32 + ".npz")
+    stuck.mkdir()  # a stale split that cannot be removed is a warning; training goes on
     assert train.main(["--workdir", str(run), "--steps", "16"]) == 0  # nothing to train
     assert stale.exists()
     capsys.readouterr()
     assert train.main(["--workdir", str(run), "--steps", "17"]) == 0
-    assert f"data: removed 1 tokenized split(s) of other data or another tokenizer from {run}" in (
-        capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert (
+        f"data: removed 1 tokenized split(s) of other data or another tokenizer from {run}" in out
     )
-    assert sorted((run / "cache").iterdir()) == in_use
+    assert f"warning: could not remove a stale tokenized split: {stuck}: Is a directory\n" in out
+    assert sorted((run / "cache").iterdir()) == sorted([*in_use, stuck])
 
 
 def test_non_finite_loss_exits_1_with_the_step_and_keeps_the_last_checkpoint(
@@ -846,6 +984,15 @@ def test_a_mistyped_flag_is_one_line_not_the_whole_usage(argv, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert argv[0] in err and err.endswith("; train.py --help lists the flags\n")
+
+
+def test_steps_and_epochs_together_are_a_one_line_usage_error(capsys):
+    # Either one decides the run's length; given both, --steps won without a word.
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--workdir", "unused", "--steps", "5", "--epochs", "2"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--epochs: not allowed with argument --steps" in err and err.count("\n") == 1
 
 
 def test_library_tokenizer_default_is_the_command_line_default():
@@ -963,6 +1110,7 @@ def test_a_stop_request_before_training_ends_the_run_with_one_line_and_saves_not
         (["--coordinator-address", "notahostport"], "--coordinator-address must be HOST:PORT"),
         (["--coordinator-address", "host:1234:5678"], "--coordinator-address must be HOST:PORT"),
         (["--coordinator-address", "localhost:70000"], "--coordinator-address must be HOST:POR"),
+        (["--coordinator-address", "localhost:0"], "--coordinator-address must be HOST:PORT"),
         (["--num-processes", "2", "--process-id", "0"], "cannot start the multi-host run ("),
     ],
     ids=[
@@ -973,6 +1121,7 @@ def test_a_stop_request_before_training_ends_the_run_with_one_line_and_saves_not
         "no-port",
         "two-ports",
         "port-too-big",
+        "port-zero",
         "no-coordinator",
     ],
 )
@@ -984,6 +1133,17 @@ def test_bad_multi_host_flags_are_a_one_line_error_before_anything_is_written(
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
     assert not workdir.exists()
+
+
+def test_multi_host_flags_reach_jax_distributed_and_one_process_is_a_run_alone(monkeypatch, capsys):
+    # A job script written for N hosts, run with --num-processes 1: one host, no watcher
+    # of the others' failures, and process 0 does not say it waits for a coordinator.
+    started = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: started.append(kwargs))
+    hosts = ["--coordinator-address", "localhost:1234", "--num-processes", "1", "--process-id", "0"]
+    assert train.maybe_initialize_distributed(_parse(*hosts)) is None
+    assert started == [dict(coordinator_address="localhost:1234", num_processes=1, process_id=0)]
+    assert capsys.readouterr().err == ""
 
 
 def test_a_workdir_that_is_a_file_is_named_as_one_and_left_as_it_was(tmp_path):
@@ -1252,7 +1412,8 @@ def test_a_workdir_that_links_to_nothing_is_named_as_a_link(slice_dir, tmp_path,
 
 def test_the_summary_counts_the_validation_lines_scored_for_bleu(slice_dir, tmp_path):
     settings = train.data_settings(_parse(*_flags(slice_dir, tmp_path)), None)
-    for limit, count in ((None, "24 lines"), (8, "the first 8 of its 24 lines"), (30, "24 lines")):
+    counts = [(None, "24 lines"), (8, "the first 8 of its 24 lines"), (24, "24 lines")]
+    for limit, count in [*counts, (30, "24 lines")]:
         loaded = train.load_training_data(tmp_path, settings, 64, 0, print, limit)
         assert loaded.summary[-1].endswith(f"loss batches, {count} for BLEU")
 
@@ -1309,27 +1470,45 @@ def test_validation_sentences_longer_than_max_len_are_a_warning_at_the_start(sli
     )
     assert longest and int(longest[1]) > 128, warnings
     assert loaded.validation is not None  # validated whole, not dropped
+    # A sentence of max_len tokens, as long as a training pair may be, is no warning.
+    settings = train.data_settings(_parse(*_flags(data_dir, tmp_path / "run")), None)
+    loaded = train.load_training_data(tmp_path / "run", settings, int(longest[1]), 0, print)
+    assert not [line for line in loaded.summary if line.startswith("warning: validation")]
 
 
-@pytest.mark.parametrize("max_tokens, over", [("1024", False), ("64", True)])
+@pytest.mark.parametrize(
+    "max_tokens, max_shapes, over",
+    [("1024", "1", 0), ("64", "1", 1), ("900", "12", 2)],
+    ids=["within", "over", "some-over"],
+)
 def test_a_token_budget_below_the_fewest_rows_a_batch_has_is_a_warning(
-    slice_dir, tmp_path, max_tokens, over
+    slice_dir, tmp_path, max_tokens, max_shapes, over
 ):
-    args = _parse(*_flags(slice_dir, tmp_path, "--max-tokens", max_tokens))
-    loaded = train.load_training_data(
-        tmp_path, train.data_settings(args, None), 64, 0, lambda line: None
-    )
-    warnings = [line for line in loaded.summary if line.startswith("warning: --max-tokens")]
+    def loaded_with(budget):
+        flags = _flags(slice_dir, tmp_path, "--max-tokens", budget, "--max-shapes", max_shapes)
+        loaded = train.load_training_data(
+            tmp_path, train.data_settings(_parse(*flags), None), 64, 0, lambda line: None
+        )
+        return loaded, [line for line in loaded.summary if line.startswith("warning: --max-tokens")]
+
+    loaded, warnings = loaded_with(max_tokens)
     if not over:
         assert warnings == []
         return
     largest = max(r * (s + t) for r, s, t in loaded.batcher.shapes)
-    assert largest > 64  # the batches do go over the budget, which the warning says
+    assert largest > int(max_tokens)  # the batches do go over the budget, which the warning says
     (warning,) = warnings
-    assert warning.startswith("warning: --max-tokens 64 holds fewer than 8 rows of 1 of the 1")
+    # The shapes that go over have a batch's fewest rows (8 on one device), also where
+    # shorter shapes have more (16 in some-over).
+    rows = [r for r, _, _ in loaded.batcher.shapes]
+    assert max(rows) == (16 if max_shapes == "12" else 8)
+    assert warning.startswith(
+        f"warning: --max-tokens {max_tokens} holds fewer than 8 rows of {over} of the {len(rows)}"
+    )
     assert warning.endswith(
         f"up to {largest} padded tokens; --max-tokens {largest} or more keeps to it"
     )
+    assert loaded_with(str(largest))[1] == []  # the budget it advises is no warning
 
 
 @pytest.mark.parametrize(
@@ -1443,6 +1622,35 @@ def test_epochs_train_that_many_passes_over_the_batches(slice_dir, tmp_path, mon
     monkeypatch.setattr(train, "train_loaded", recording)
     assert train.main(_flags(slice_dir, tmp_path / "run", "--epochs", "3")) == 0
     assert asked["per_epoch"] > 1 and asked["total"] == 3 * asked["per_epoch"]
+
+
+def test_a_run_prints_the_data_it_trains_on(slice_dir, tmp_path, monkeypatch, capsys):
+    # The pairs, the tokenizer, the batch shapes and the validation lines scored: what a
+    # user checks before the first steps, and the only word of the budget warnings.
+    monkeypatch.setattr(train, "train_loaded", lambda *args, **kwargs: None)
+    assert train.main(_flags(slice_dir, tmp_path / "run", "--max-tokens", "64")) == 0
+    out = capsys.readouterr().out
+    assert "; tokenizer bpe, 400 pieces\n" in out
+    assert "data: 1 batch shapes (rows, src, tgt): 8x" in out
+    assert "loss batches, 24 lines for BLEU\n" in out
+    assert "warning: --max-tokens 64 holds fewer than 8 rows" in out
+
+
+def test_the_done_line_gives_a_best_validation_bleu_of_zero(
+    slice_dir, tmp_path, monkeypatch, capsys
+):
+    # A short run's greedy BLEU is often 0.00: a score, not "no validation BLEU yet".
+    def trained(settings, model_cfg, loaded, total_steps, *args, **kwargs):
+        return training.TrainResult(
+            step=total_steps, seconds=3.0, interrupted=False, best_bleu=0.0, best_step=4,
+            last_loss=5.0, checkpoint_dir=settings.workdir / "checkpoints",
+        )  # fmt: skip
+
+    monkeypatch.setattr(train, "train_loaded", trained)
+    assert train.main(_flags(slice_dir, tmp_path / "run", "--steps", "4")) == 0
+    assert "done: step 4 of 4 in 00:00:03; best validation BLEU 0.00 at step 4; " in (
+        capsys.readouterr().out
+    )
 
 
 def test_data_folders_are_saved_as_absolute_paths(tmp_path, monkeypatch):
