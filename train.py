@@ -1106,8 +1106,13 @@ def run_settings(args: argparse.Namespace, log) -> RunSettings:
     import data
     from transformer.checkpoints import CONFIG_FILE, checkpoint_steps, load_run_config
 
-    if args.workdir == "":
-        raise UsageError("--workdir is empty: name a folder, or leave the flag out")
+    for flag, value in [
+        ("--workdir", args.workdir),
+        ("--data-dir", args.data_dir),
+        ("--tfds-data-dir", args.tfds_data_dir),
+    ]:
+        if value == "":  # "--data-dir $DATA" with $DATA unset read the current folder
+            raise UsageError(f"{flag} is empty: name a folder, or leave the flag out")
     workdir = Path(args.workdir) if args.workdir else default_workdir(args)
     if not args.workdir:
         log(f"workdir: {workdir} (the default for these data flags; --workdir to choose)")

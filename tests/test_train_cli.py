@@ -1182,6 +1182,16 @@ def test_an_impossible_workdir_name_is_a_one_line_error(
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("flag", ["--data-dir", "--tfds-data-dir"])
+def test_an_empty_data_folder_is_a_one_line_error(tmp_path, monkeypatch, capsys, flag):
+    # "--data-dir $DATA" with $DATA unset read the current folder.
+    monkeypatch.chdir(tmp_path)
+    assert train.main(["--workdir", "run", flag, "", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {flag} is empty: name a folder, or leave the flag out\n"
+    assert not (tmp_path / "run").exists()
+
+
 def test_ctrl_c_while_the_libraries_load_ends_the_run_in_one_line(
     slice_dir, tmp_path, run_ctrl_c_while_loading
 ):
