@@ -274,6 +274,17 @@ def test_offline_without_cache_says_how_to_use_data_dir(cache, monkeypatch):
     assert list(cache.iterdir()) == []
 
 
+def test_cached_files_read_for_evaluation_keep_every_line(cache, monkeypatch):
+    # Evaluation scores translations line by line against the file: no pair is skipped.
+    monkeypatch.setattr(multi30k, "urlopen", FakeOpener({}))  # no download here
+    cache.mkdir(parents=True)
+    (cache / "val.en").write_text("A dog.\n@@\n\nTwo men.\n")
+    (cache / "val.de").write_text("Ein Hund.\n@@\nLeer.\nZwei M\u00e4nner.\n")
+    corpus = data.load_corpus(data.CorpusSpec(), "val", clean=False)
+    assert corpus.tgt == ["Ein Hund.", "@@", "Leer.", "Zwei M\u00e4nner."]
+    assert corpus.references() == corpus.tgt and len(corpus.src) == 4
+
+
 def test_unknown_split_and_language(cache):
     # A MissingSplitError, as load_corpus documents for every dataset.
     with pytest.raises(data.MissingSplitError, match="train, val, test2016"):

@@ -208,6 +208,17 @@ def test_cleaning_counts_every_skip(multi30k_slice):
     assert "\n" not in line and "300" in line and "294 kept" in line and "6 skipped" in line
 
 
+def test_the_cleaning_line_names_the_split_and_each_reason_with_its_own_count():
+    # The line the CLIs print: with equal counts per reason (above), two reasons' counts
+    # swapped, or the total skipped given as junk, read the same.
+    src = ["", "", "a", "ein", "@@", "a", "...", "x", "y", "z"]
+    tgt = ["", "b", "", "", "b", "@@", "c", "x", "y", "z"]
+    summary = clean_pairs(src, tgt, name="train en-de").summary
+    assert str(summary) == (
+        "train en-de: 10 pairs read, 3 kept, 7 skipped (1 empty, 3 one side empty, 3 junk)"
+    )
+
+
 def test_full_multi30k_train_skips_exactly_the_two_junk_pairs(multi30k_dir):
     corpus = data.read_parallel(multi30k_dir / "train.en", multi30k_dir / "train.de")
     s = corpus.summary
@@ -216,16 +227,19 @@ def test_full_multi30k_train_skips_exactly_the_two_junk_pairs(multi30k_dir):
     assert raw_de[16509] == raw_de[16663] == "@@"
     assert "@@" not in corpus.tgt
     assert corpus.src_path == str(multi30k_dir / "train.en")
+    assert s.name == "train.en / train.de"  # read_parallel's label names both files
 
 
-def test_clean_false_keeps_every_line_for_evaluation(multi30k_slice):
+# Multi30k read from --data-dir is evaluation's usual corpus: it keeps every line too.
+@pytest.mark.parametrize("dataset", ["files", "multi30k"])
+def test_clean_false_keeps_every_line_for_evaluation(multi30k_slice, dataset):
     d = multi30k_slice(n=50, splits=("train",))
     lines = data.read_lines(d / "train.de")
     lines[3] = "@@"
     lines[4] = ""
     lines[5] = "Stein\u00a0&amp;  Holz "
     (d / "train.de").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    spec = data.CorpusSpec(dataset="files", data_dir=str(d))
+    spec = data.CorpusSpec(dataset=dataset, data_dir=str(d))
     corpus = data.load_corpus(spec, "train", clean=False)
     assert len(corpus.src) == len(corpus.tgt) == 50
     assert corpus.tgt[3:6] == ["@@", "", "Stein & Holz"]  # kept, and normalized all the same
@@ -242,6 +256,14 @@ def test_references_without_a_file_are_the_lines_as_given_when_nothing_was_skipp
     assert corpus.references() == raw and corpus.tgt == ["Stein & Holz", "ein Hund"]
     cleaned = clean_pairs(["stone", "", "a dog"], ["Stein\u00a0 ", "x", "ein Hund"])
     assert cleaned.references() == ["Stein", "ein Hund"]
+
+
+def test_sentences_of_unequal_counts_are_a_one_line_error_either_way():
+    # Not zip()'s ValueError traceback, nor pairs made of the shorter side.
+    for src, tgt in ((["a", "b"], ["x"]), (["a"], ["x", "y"])):
+        with pytest.raises(data.DataError) as e:
+            clean_pairs(src, tgt, name="val en-de")
+        assert one_line(e) == (f"val en-de: {len(src)} source lines but {len(tgt)} target lines")
 
 
 # --- load_corpus ---
@@ -269,10 +291,15 @@ def test_multi30k_from_data_dir_matches_files(multi30k_dir):
 def test_unknown_split_lists_available_splits(multi30k_slice):
     d = multi30k_slice(splits=("train",), n=10)
     multi30k_slice(splits=("val",), n=10)
-    with pytest.raises(data.DataError) as e:
+    # A split whose target is a folder, not a file, is not available.
+    multi30k_slice(splits=("test2016",), n=10, langs=("en",))
+    (d / "test2016.de").mkdir()
+    with pytest.raises(data.MissingSplitError) as e:
         data.load_corpus(data.CorpusSpec(dataset="files", data_dir=str(d)), "test")
-    message = one_line(e)
-    assert "'test'" in message and "train, val" in message
+    # The folder by its full path, the two files looked for, the splits there are.
+    assert one_line(e) == (
+        f"no split 'test' for en-de in {d} (no test.en / test.de); available splits: train, val"
+    )
 
 
 def test_a_split_whose_files_are_broken_is_an_error_not_a_missing_split(multi30k_slice):
@@ -337,6 +364,8 @@ def test_a_language_the_folder_lacks_names_those_it_has(multi30k_slice):
         (data.CorpusSpec(dataset="files", data_dir="/nonexistent/dir"), "/nonexistent/dir not"),
         (data.CorpusSpec(dataset="files", data_dir=__file__), "is a file, not a directory"),
         (data.CorpusSpec(tfds_name="wmt14_translate/de-en"), "--tfds-name wmt14_translate"),
+        # Not the files read, the TFDS dataset asked for ignored.
+        (data.CorpusSpec(dataset="files", tfds_name="x"), "x is for --dataset tfds, not files"),
         (data.CorpusSpec(dataset="tfds", tfds_name="x", data_dir="/tmp"), "drop one of them"),
         (data.CorpusSpec(src="en", tgt="en"), "both 'en'"),
         (data.CorpusSpec(tgt="xx"), "language 'xx'"),
@@ -456,3 +485,6 @@ def test_a_runs_data_settings_name_its_corpus_and_the_rest_take_defaults():
     spec = data.CorpusSpec.from_settings(settings)
     assert spec == data.CorpusSpec(dataset="files", data_dir="/d", src="de", tgt="en")
     assert data.CorpusSpec.from_settings({"src": "de"}) == data.CorpusSpec(src="de")
+    # A TFDS run's every field: evaluation reads the data where training found it.
+    tfds = {"dataset": "tfds", "tfds_name": "wmt14_translate/de-en", "tfds_data_dir": "/t"}
+    assert data.CorpusSpec.from_settings({**tfds, "vocab_size": 8}) == data.CorpusSpec(**tfds)
