@@ -1,9 +1,11 @@
 """Tokenizer: special ids, exact round trip on test2016, deterministic training, reuse."""
 
+import io
 import shutil
 
 import numpy as np
 import pytest
+import sentencepiece as spm
 
 import data
 
@@ -107,10 +109,6 @@ def test_the_fingerprint_tells_apart_models_that_differ_only_near_their_end(smal
 def test_a_model_whose_pad_id_is_not_0_is_refused(small_corpus, tmp_path):
     # The model builds its attention and loss masks from id 0: a model made elsewhere with
     # another pad id would train on padding.
-    import io
-
-    import sentencepiece as spm
-
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(small_corpus.src),
