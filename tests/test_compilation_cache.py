@@ -1,6 +1,8 @@
 """The persistent compilation cache: programs compiled in one run are loaded by the next,
 with the same results, and the cache leaves no global setting behind."""
 
+import errno
+import os
 import subprocess
 import sys
 import threading
@@ -76,15 +78,16 @@ def test_a_program_compiled_in_one_block_is_loaded_in_the_next(tmp_path, cache_e
 
 def test_the_cache_is_bounded_inside_the_block_and_a_callers_bound_kept(tmp_path):
     # JAX's default is unbounded (-1); the README promises at most 2 GiB, least recently
-    # used programs deleted first.
+    # used programs deleted first. A bound the caller set (0: JAX caches nothing) is kept.
+    # After the block the setting is as it was, JAX's default too: set here, since a
+    # block that left 2 GiB behind changed `before` for every later test.
     before = jax.config.values["jax_compilation_cache_max_size"]
-    with persistent_compilation_cache(tmp_path / "xla"):
-        assert jax.config.values["jax_compilation_cache_max_size"] == 2 * 2**30
-    assert jax.config.values["jax_compilation_cache_max_size"] == before
-    jax.config.update("jax_compilation_cache_max_size", 10**6)
     try:
-        with persistent_compilation_cache(tmp_path / "xla"):
-            assert jax.config.values["jax_compilation_cache_max_size"] == 10**6
+        for bound, inside in ((-1, 2 * 2**30), (10**6, 10**6), (0, 0)):
+            jax.config.update("jax_compilation_cache_max_size", bound)
+            with persistent_compilation_cache(tmp_path / "xla"):
+                assert jax.config.values["jax_compilation_cache_max_size"] == inside
+            assert jax.config.values["jax_compilation_cache_max_size"] == bound
     finally:
         jax.config.update("jax_compilation_cache_max_size", before)
 
@@ -113,6 +116,60 @@ def test_a_folder_an_unbounded_cache_filled_takes_new_programs(tmp_path, cache_e
     assert all(p.with_name(p.name[: -len("cache")] + "atime").exists() for p in programs)
 
 
+def test_without_filelock_programs_are_cached_unbounded(tmp_path, monkeypatch, cache_events):
+    # JAX's bounded cache needs filelock: with a bound and no filelock each program's save
+    # failed with a warning ("Please install the `filelock` package") and nothing was kept.
+    from jax._src import lru_cache
+
+    monkeypatch.setitem(sys.modules, "filelock", None)  # import filelock: ImportError
+    monkeypatch.setattr(lru_cache, "filelock", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with persistent_compilation_cache(tmp_path / "xla"):
+            assert jax.config.values["jax_compilation_cache_max_size"] == -1
+            jax.jit(lambda x: _program(x) * 5)(jnp.ones((2, 3)))
+    assert [str(w.message) for w in caught if "cache" in str(w.message)] == []
+    assert list((tmp_path / "xla").glob("*-cache"))
+
+
+def _last_use(path: Path) -> int:
+    """The time a `KEY-atime` file holds, as JAX's bounded cache reads it."""
+    return int.from_bytes(path.read_bytes(), "little")
+
+
+def test_a_programs_last_use_is_kept_and_a_missing_one_is_its_files_time(tmp_path):
+    # A last use written over would move a program used a moment ago to the front of the
+    # eviction queue; one JAX cannot read (big-endian, say) evicts in the wrong order.
+    xla = tmp_path / "xla"
+    xla.mkdir()
+    (xla / "used-cache").write_bytes(b"program")
+    (xla / "used-atime").write_bytes((1_800_000_000_000_000_000).to_bytes(8, "little"))
+    (xla / "old-cache").write_bytes(b"program")
+    mtime_ns = 1_700_000_000_123_456_789
+    os.utime(xla / "old-cache", ns=(mtime_ns, mtime_ns))
+    with persistent_compilation_cache(xla):
+        pass
+    assert _last_use(xla / "used-atime") == 1_800_000_000_000_000_000
+    assert _last_use(xla / "old-atime") == mtime_ns
+    assert sorted(p.name for p in xla.iterdir()) == [
+        "old-atime", "old-cache", "used-atime", "used-cache"
+    ]  # fmt: skip
+
+
+def test_a_last_use_that_cannot_be_written_leaves_the_cache_in_use(tmp_path, monkeypatch):
+    # A full disk (the write probe's empty file still fits): JAX warns for the program it
+    # saves; the block does not fail before it starts.
+    (tmp_path / "xla").mkdir()
+    (tmp_path / "xla" / "old-cache").write_bytes(b"program")
+
+    def disk_full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    monkeypatch.setattr(Path, "write_bytes", disk_full)
+    with persistent_compilation_cache(tmp_path / "xla") as path:
+        assert path == tmp_path / "xla"
+
+
 def test_disabled_means_no_cache(tmp_path, cache_events):
     jax.clear_caches()
     with persistent_compilation_cache(tmp_path / "xla", enabled=False) as path:
@@ -132,6 +189,7 @@ def test_an_unusable_directory_warns_and_compiles_without_a_cache(tmp_path):
         assert jax.config.values["jax_compilation_cache_dir"] is None
         assert jax.jit(_program)(jnp.ones((2, 2))).shape == (2,)
     assert len(warnings) == 1 and str(blocker / "xla") in warnings[0]
+    assert "Not a directory" in warnings[0]  # and why it cannot be used
 
 
 @pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="needs Linux's /sys")
@@ -196,6 +254,15 @@ def test_default_directory(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     with persistent_compilation_cache("~/xla") as path:
         assert path == tmp_path / "home" / "xla" and path.is_dir()
+
+
+def test_an_empty_cache_variable_is_as_if_unset(monkeypatch, tmp_path):
+    # `JAX_COMPILATION_CACHE_DIR= python train.py`, or a variable set from an unset one:
+    # "" is the folder the command runs in (TRANSFORMER_MT_CACHE="": a folder "xla" there).
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "")
+    monkeypatch.setenv("TRANSFORMER_MT_CACHE", "")
+    assert default_cache_dir() == str(tmp_path / "home" / ".cache" / "transformer-mt" / "xla")
 
 
 def _train_counting_hits(cache_events, flags, cache_flags) -> int:
@@ -378,6 +445,64 @@ def test_no_more_programs_compile_at_once_than_threads_and_the_threads_end():
     assert not any(worker.is_alive() for worker in compilation_cache._WORKERS)
 
 
+def test_available_cores_are_the_processs_affinity_not_the_machines(monkeypatch):
+    # A container's cpuset: 1 core of 16, and 16 threads would each slow the others.
+    monkeypatch.setattr(compilation_cache.os, "sched_getaffinity", lambda pid: {3})
+    monkeypatch.setattr(compilation_cache.os, "cpu_count", lambda: 16)
+    assert compilation_cache.available_cores() == 1
+
+
+def test_by_default_as_many_programs_compile_at_once_as_there_are_cores(monkeypatch):
+    monkeypatch.setattr(compilation_cache, "available_cores", lambda: 3)
+    log, all_three = [], threading.Barrier(3)
+    programs = [_Program(i, log, barrier=all_three) for i in range(3)]
+    assert compile_side_by_side(_lowerings(programs)) == [f"compiled {i}" for i in range(3)]
+    _join_compile_threads()
+
+
+def _wait_until(condition, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_stop_while_lowering_starts_no_program_waiting_for_a_thread():
+    # A stop request comes (a signal handler runs on this thread) while the third program
+    # is lowered, and the one thread then finishes the first: the second, queued for it,
+    # must not start.
+    stop, release, log = threading.Event(), threading.Event(), []
+    programs = [_Program(0, log, release=release), _Program(1, log), _Program(2, log)]
+
+    def lower_with_a_stop():
+        stop.set()
+        release.set()
+        worker = compilation_cache._WORKERS[-1]
+        _wait_until(lambda: not worker.is_alive() or 1 in _logged(log, "started"))
+        return programs[2].lower()
+
+    lowerings = [*_lowerings(programs[:2]), lower_with_a_stop]
+    assert compile_side_by_side(lowerings, threads=1, stop=stop) == ["compiled 0", None, None]
+    _join_compile_threads()
+    assert _logged(log, "started") == [0]
+
+
+def test_a_ctrl_c_while_lowering_starts_no_program_queued_before_it():
+    release, log = threading.Event(), []
+    programs = [_Program(0, log, release=release), _Program(1, log)]
+
+    def interrupted():
+        _wait_until(lambda: 0 in _logged(log, "started"))
+        raise KeyboardInterrupt
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            compile_side_by_side([*_lowerings(programs), interrupted], threads=1)
+    finally:
+        release.set()
+    _join_compile_threads()
+    assert _logged(log, "started") == [0]
+
+
 def test_several_hosts_keep_pythons_exit(monkeypatch):
     # os._exit on one host of several leaves JAX's coordination service out of step.
     monkeypatch.setattr(compilation_cache, "_THREADS_ABANDONED", threading.Event())
@@ -414,6 +539,28 @@ def test_exiting_at_once_keeps_the_status_python_would_give(
     with pytest.raises(SystemExit):
         compilation_cache.exit_process(main)
     assert exits == [status] and err in capsys.readouterr().err
+
+
+def test_exiting_at_once_keeps_what_was_printed(tmp_path):
+    # os._exit drops what Python still buffers: a pipe's stdout is written in blocks, and
+    # stderr a line at a time, so a line without its end was lost.
+    code = (
+        "import sys\n"
+        "from transformer.compilation_cache import abandon_threads_at_exit, exit_process\n"
+        "def main():\n"
+        "    print('a line')\n"
+        "    print('a line without its end', end='', file=sys.stderr)\n"
+        "    abandon_threads_at_exit()\n"
+        "    return 3\n"
+        "exit_process(main)\n"
+    )
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env=buffered,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "a line\n" and done.stderr.endswith("a line without its end")
 
 
 # Its compile() takes a second and then writes the file named by the first argument.

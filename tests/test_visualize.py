@@ -165,6 +165,9 @@ def test_the_curve_legend_covers_no_plotted_point(drawn):
     inside = (box.x0 <= points[:, 0]) & (points[:, 0] <= box.x1)
     inside &= (box.y0 <= points[:, 1]) & (points[:, 1] <= box.y1)
     assert not inside.any(), points[inside]
+    # Below the axes and their labels: placed at the figure's foot without room made for it
+    # ("lower center"), it covered the x axis's label.
+    assert box.y1 <= min(ax.get_tightbbox(renderer).y0 for ax in fig.axes)
 
 
 def test_a_run_with_one_training_record_draws_its_point(drawn):
@@ -216,21 +219,30 @@ def test_importing_and_plotting_leave_the_matplotlib_backend_alone(tmp_path):
     assert (tmp_path / "a.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
-def test_a_long_title_is_whole_inside_a_tall_narrow_plot(tmp_path, drawn):
+def _unwrapped(title: str) -> str:
+    """A title as one line again: textwrap broke it at spaces and after hyphens."""
+    return title.replace("-\n", "-").replace("\n", " ")
+
+
+# evaluate.py's names, and a longer one: its title on one line is wider than the figure
+# (the first one's just fits, so a title left unwrapped passed).
+@pytest.mark.parametrize("name", ["sentence_0002", "newstest2014_sentence_0002"])
+def test_a_long_title_is_whole_inside_a_tall_narrow_plot(tmp_path, drawn, name):
     # Centred over the axes of a narrow figure, it was cut off on the left
     # ("ntence_0002: decoder layer 1 ...").
     rng = np.random.default_rng(0)
     src = ["\u2581Zwei", "\u2581Hunde", ".", "</s>"]
     tgt = [f"\u2581w{i}" for i in range(40)]
     weights_HTS = rng.dirichlet(np.ones(len(src)), size=(4, len(tgt)))
-    plot_sentence_attention([weights_HTS], src, tgt, tmp_path, name="sentence_0002", heads=True)
+    plot_sentence_attention([weights_HTS], src, tgt, tmp_path, name=name, heads=True)
     titles = [
-        "sentence_0002: decoder layer 1 cross-attention (mean of 4 heads)",
-        "sentence_0002: decoder layer 1 cross-attention per head",
+        f"{name}: decoder layer 1 cross-attention (mean of 4 heads)",
+        f"{name}: decoder layer 1 cross-attention per head",
     ]
     for fig, title in zip(drawn, titles, strict=True):
         fig.canvas.draw()
-        [text] = [t for t in fig.findobj(Text) if " ".join(t.get_text().split()) == title]
+        # Wrapped at spaces and after hyphens ("cross-" and "attention" on two lines).
+        [text] = [t for t in fig.findobj(Text) if _unwrapped(t.get_text()) == title]
         box, page = text.get_window_extent(), fig.bbox
         assert page.x0 <= box.x0 and box.x1 <= page.x1, (box, page)
         assert page.y0 <= box.y0 and box.y1 <= page.y1, (box, page)
@@ -257,3 +269,134 @@ def test_the_heads_grid_draws_each_head_once_with_labels_on_its_outer_panels(
     lowest = {max(h for h in range(heads) if h % cols == c) for c in range(min(cols, heads))}
     assert {h for h, ax in enumerate(shown) if ax.get_xlabel()} == lowest
     assert {h for h, ax in enumerate(shown) if ax.get_ylabel()} == set(range(0, heads, cols))
+
+
+def _curve_lines(fig):
+    """{label: [[minutes, value], ...]} of every line drawn on the curve's axes."""
+    return {line.get_label(): line.get_xydata().tolist() for ax in fig.axes for line in ax.lines}
+
+
+def test_the_curve_draws_each_kind_of_record_at_its_own_minutes(drawn):
+    # Training records every minute; each validation (its record written 30 s after its
+    # step's), BLEU at the later two: each line at its own records' times, BLEU on an axis of
+    # its own, every line named in the legend.
+    validations = {2: {"val_loss": 5.5}, 4: {"val_loss": 4.5, "val_bleu": 7.0}}
+    validations[6] = {"val_loss": 4.0, "val_bleu": 9.0}
+    records = []
+    for s in range(1, 7):
+        records.append({"step": s, "loss": 6.0 - s / 2, "elapsed_s": 60.0 * s})
+        if s in validations:
+            records.append({"step": s, "elapsed_s": 60.0 * s + 30, **validations[s]})
+    plot_training_curve(records, "unused.png")
+    [fig] = drawn
+    loss_ax, bleu_ax = fig.axes
+    assert _curve_lines(fig) == {
+        "train loss": [[s, 6.0 - s / 2] for s in range(1, 7)],
+        "val loss": [[2.5, 5.5], [4.5, 4.5], [6.5, 4.0]],
+        "val BLEU": [[4.5, 7.0], [6.5, 9.0]],
+    }
+    assert [line.get_label() for line in bleu_ax.lines] == ["val BLEU"]
+    assert loss_ax.get_xlabel() == "training time (minutes)"
+    assert loss_ax.get_ylabel() == "loss (label-smoothed cross-entropy)"
+    assert bleu_ax.get_ylabel() == "validation BLEU (sacreBLEU, greedy)"
+    [legend] = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["train loss", "val loss", "val BLEU"]
+    # The steps and time of the last training record (not the validation after it).
+    assert loss_ax.get_title() == "6 steps in 6.0 min"
+
+
+def test_a_run_without_validation_draws_its_training_loss_alone(drawn):
+    # No BLEU axis and no legend entry for lines that have no points.
+    records = [{"step": s, "loss": 5.0 - s, "elapsed_s": 30.0 * s} for s in (1, 2)]
+    plot_training_curve(records, "unused.png")
+    [fig] = drawn
+    [loss_ax] = fig.axes
+    [line] = loss_ax.lines
+    assert line.get_xydata().tolist() == [[0.5, 4.0], [1.0, 3.0]]
+    assert line.get_linestyle() == "-"  # two records are a line, not two dots
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["train loss"]
+
+
+def test_validation_without_bleu_draws_no_bleu_axis(drawn):
+    # --bleu-every 0: validation losses only, and no empty BLEU axis or legend entry.
+    records = [
+        {"step": 1, "loss": 5.0, "elapsed_s": 60.0},
+        {"step": 1, "elapsed_s": 90.0, "val_loss": 4.5},
+    ]
+    plot_training_curve(records, "unused.png")
+    [fig] = drawn
+    assert len(fig.axes) == 1 and _curve_lines(fig) == {
+        "train loss": [[1.0, 5.0]],
+        "val loss": [[1.5, 4.5]],
+    }
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["train loss", "val loss"]
+
+
+def test_a_run_with_one_validation_draws_its_loss_and_bleu(drawn):
+    records = [
+        {"step": 1, "loss": 5.0, "elapsed_s": 60.0},
+        {"step": 2, "loss": 4.0, "elapsed_s": 120.0},
+        {"step": 2, "elapsed_s": 150.0, "val_loss": 4.5, "val_bleu": 3.0},
+    ]
+    plot_training_curve(records, "unused.png")
+    [fig] = drawn
+    lines = _curve_lines(fig)
+    assert lines["val loss"] == [[2.5, 4.5]] and lines["val BLEU"] == [[2.5, 3.0]]
+
+
+def test_records_without_a_time_are_left_out_and_none_leaves_no_folder(tmp_path, drawn):
+    # metrics.jsonl of a run begun before elapsed_s was logged (c88c33b), then resumed: its
+    # first records have no time to draw them at (a KeyError before).
+    untimed = [{"step": 1, "loss": 5.0}, {"step": 1, "val_loss": 4.9, "val_bleu": 1.0}]
+    timed = [
+        {"step": 2, "loss": 4.0, "elapsed_s": 60.0},
+        {"step": 2, "val_loss": 4.5, "val_bleu": 2.0, "elapsed_s": 90.0},
+    ]
+    plot_training_curve(untimed + timed, "unused.png")
+    assert _curve_lines(drawn[0]) == {
+        "train loss": [[1.0, 4.0]],
+        "val loss": [[1.5, 4.5]],
+        "val BLEU": [[1.5, 2.0]],
+    }
+    # Nothing to draw: the error, and no folder made for a picture that was not written.
+    with pytest.raises(ValueError, match="no training records with a time"):
+        plot_training_curve(untimed, tmp_path / "plots" / "curve.png")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_each_head_panel_labels_its_source_columns_and_output_rows(tmp_path, drawn):
+    # The grid's panels had no check of their tick labels (source and output swapped passed).
+    rng = np.random.default_rng(0)
+    src = ["\u2581Zwei", "\u2581Hunde", "\u2581spielen", "</s>"]
+    tgt = ["\u2581Two", "\u2581dogs", "</s>"]
+    weights_HTS = rng.dirichlet(np.ones(len(src)), size=(3, len(tgt)))
+    plot_sentence_attention([weights_HTS], src, tgt, tmp_path, name="s1", heads=True)
+    mean, grid = drawn
+    panels = [mean.axes[0]] + [ax for ax in grid.axes if ax.images]
+    assert len(panels) == 4
+    for ax in panels:
+        assert [t.get_text() for t in ax.get_xticklabels()] == src
+        assert [t.get_text() for t in ax.get_yticklabels()] == tgt
+        # Upright, source pieces side by side overlap one another.
+        assert {t.get_rotation() for t in ax.get_xticklabels()} == {90.0}
+    assert (mean.axes[0].get_xlabel(), mean.axes[0].get_ylabel()) == (
+        "source tokens",
+        "output tokens",
+    )
+    # Each of the 2 x 2 panels as large as the one heatmap of the mean.
+    np.testing.assert_allclose(grid.get_size_inches(), 2 * mean.get_size_inches())
+
+
+def test_the_titles_name_the_sentence_the_layer_and_the_number_of_heads(tmp_path, drawn):
+    # 3 heads and 5 source tokens: a title counting anything else says so.
+    rng = np.random.default_rng(0)
+    src = ["\u2581Two", "\u2581dogs", "\u2581play", ".", "</s>"]
+    tgt = ["\u2581Zwei", "</s>"]
+    layers = [rng.dirichlet(np.ones(len(src)), size=(3, len(tgt))) for _ in range(2)]
+    plot_sentence_attention(layers, src, tgt, tmp_path, name="s7", heads=True)
+    assert [_unwrapped(fig.get_suptitle()) for fig in drawn] == [
+        "s7: decoder layer 1 cross-attention (mean of 3 heads)",
+        "s7: decoder layer 1 cross-attention per head",
+        "s7: decoder layer 2 cross-attention (mean of 3 heads)",
+        "s7: decoder layer 2 cross-attention per head",
+    ]
