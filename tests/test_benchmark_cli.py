@@ -139,9 +139,8 @@ def test_decode_speed_names_a_missing_workdir_in_one_line(tmp_path, capsys):
 @pytest.mark.parametrize("main", [train_speed.main, profile_step.main])
 def test_step_benchmarks_need_a_row_and_a_position(capsys, main):
     assert usage_error(main, ["--rows", "0"], capsys).endswith("error: --rows must be at least 1")
-    assert usage_error(main, ["--tgt-len", "0"], capsys).endswith(
-        "error: --tgt-len must be at least 1"
-    )
+    for flag in ("--src-len", "--tgt-len"):
+        assert usage_error(main, [flag, "0"], capsys).endswith(f"error: {flag} must be at least 1")
 
 
 def test_profile_step_rejects_a_misspelt_preset(capsys):
@@ -208,6 +207,18 @@ def test_train_speed_counts_the_rows_the_devices_really_train(tmp_path):
     # A 64^3 probe is no peak: a utilization over 100% says so.
     utilization = float(line.split("utilization ")[1].split("%")[0])
     assert (utilization > 100) == line.endswith("(over 100%: raise --matmul-size for a true peak)")
+
+
+def test_train_speed_gives_each_device_a_row_where_the_budget_holds_none(monkeypatch):
+    # 2048 // (1500 + 1500) = 0 rows: one per device still, not one for 2 devices (which
+    # make_step_inputs refuses, as it refuses any split the devices cannot share).
+    import jax
+
+    monkeypatch.setattr(jax, "local_device_count", lambda *args, **kwargs: 2)
+    assert train_speed.step_rows(None, None, 1500, 1500) == 2
+    config = train_speed.TransformerConfig.preset("tiny", vocab_size=8)
+    with pytest.raises(ValueError, match=r"rows \(3\) must be a multiple of the 2 local devices"):
+        train_speed.make_step_inputs(config, 3, 2, 2)
 
 
 def test_train_speed_checks_the_data_folder_before_timing(tmp_path, capsys):

@@ -1036,6 +1036,8 @@ def test_default_average_leaves_out_a_best_kept_from_long_before(tmp_path, monke
     assert translate.default_average_last(tmp_path) == 3  # before: 4, which averaged step 100 in
     checkpoints.save_run_config(tmp_path, {"model": {}, "train": {"keep_checkpoints": 10}})
     assert translate.default_average_last(tmp_path) == 4  # all it has: fewer than 5
+    monkeypatch.setattr(checkpoints, "checkpoint_steps", lambda workdir: list(range(100, 800, 100)))
+    assert translate.default_average_last(tmp_path) == 5  # of 7: the README's last 5
 
 
 def test_the_librarys_default_parameters_are_the_ones_evaluate_scores(workdir, capsys):

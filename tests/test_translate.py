@@ -1,6 +1,7 @@
 """translate(): normalization, batching, input order and empty lines, on a real tokenizer."""
 
 import inspect
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,20 @@ def test_no_decoded_batch_exceeds_max_tokens(setup, monkeypatch):
     assert within == one_batch
 
 
+def test_lengths_of_one_padded_length_share_a_batch_its_rows_padded_with_its_sentences():
+    # Lengths 3 to 8 all pad to 8: one batch (one compiled program), not one per length.
+    # Its rows go up to a power of two with copies of its sentences, which end with them
+    # (rows of padding could decode on to the length limit); 4 rows stay 4.
+    lines = [np.arange(4, 4 + n) for n in range(3, 9)]
+    [(indices, src)] = translate_module.decoding_batches(lines, max_tokens=4096, pad_id=0)
+    assert sorted(indices) == list(range(6)) and src.shape == (6, 8)
+    for real, rows in ((src, 8), (src[:4], 4)):
+        padded = translate_module.pad_batch_rows(real)
+        assert len(padded) == rows
+        assert (padded[: len(real)] == real).all()
+        assert all(any((row == r).all() for r in real) for row in padded[len(real) :])
+
+
 def test_translation_is_the_detokenized_search_output(setup):
     model, params, tokenizer, sentences = setup
     sentence = sentences[3]
@@ -96,11 +111,12 @@ def test_translation_is_the_detokenized_search_output(setup):
 
 def test_outputs_end_before_the_end_token(monkeypatch):
     # The random model never ends within its few steps, so a scripted search does: the end
-    # token, what a finished hypothesis holds after it, and padding are not output ids.
+    # token, what a finished hypothesis holds after it (another end token too), and padding
+    # are not output ids.
     eos = 3
 
     def scripted(model, params, shapes, *, greedy, **options):
-        row = np.array([5, 6, eos, 7, 0])
+        row = np.array([5, 6, eos, 7, eos, 0])
         return {shape: lambda params, src: np.tile(row, (len(src), 1)) for shape in shapes}
 
     monkeypatch.setattr(translate_module, "search_programs", scripted)
@@ -126,6 +142,32 @@ def test_translate_passes_every_search_setting_on(setup, monkeypatch):
     assert calls == [{**settings, **ids}]
 
 
+def test_translate_ids_searches_with_its_settings(monkeypatch):
+    # Each setting reaches the compiled search (a scripted one here): the padding id of
+    # the caller's tokenizer too, and no beam settings for greedy search.
+    searched = []
+
+    def scripted(model, params, shapes, *, greedy, **options):
+        searched.append((greedy, options))
+
+        def search(params, src):  # [5, end] in every row; beam search gives scores too
+            tokens = np.tile([5, 3], (len(src), 1))
+            return tokens if greedy else (tokens, None)
+
+        return dict.fromkeys(shapes, search)
+
+    monkeypatch.setattr(translate_module, "search_programs", scripted)
+    ids = dict(bos_id=2, eos_id=3, pad_id=1)
+    beam = dict(beam_size=2, alpha=1.3)
+    for greedy in (False, True):
+        out = translate_ids(object(), {}, [[4, 3]], greedy=greedy, max_extra_len=7, **beam, **ids)
+        assert out == [[5]]
+    assert searched == [
+        (False, {**ids, "max_extra_len": 7, **beam}),
+        (True, {**ids, "max_extra_len": 7}),
+    ]
+
+
 def test_the_library_searches_as_the_paper_by_default():
     # Users who import translate() and pass no search settings get the paper's beam 4 and
     # alpha 0.6 (evaluate.py's own defaults are separate flags), and the same output bound.
@@ -148,6 +190,18 @@ def test_a_progress_bar_only_when_asked_for(setup, capsys):
     assert "decoding" in err and "3/3" in err
 
 
+def test_the_progress_bar_counts_each_sentence_decoded_once(monkeypatch, capsys):
+    # Not the empty line (never decoded), nor the copy that pads 3 rows to 4 (scripted
+    # search): the bar ends at 3/3.
+    def scripted(model, params, shapes, *, greedy, **options):
+        return dict.fromkeys(shapes, lambda params, src: np.tile([5, 3], (len(src), 1)))
+
+    monkeypatch.setattr(translate_module, "search_programs", scripted)
+    sources = [[4, 3], [5, 3], [], [6, 3]]
+    translate_ids(object(), {}, sources, bos_id=2, eos_id=3, greedy=True, progress=True)
+    assert "3/3" in capsys.readouterr().err.splitlines()[-1]
+
+
 def test_empty_and_blank_lines_give_empty_outputs(setup):
     model, params, tokenizer, sentences = setup
     lines = ["", sentences[0], "   ", "\t", sentences[1]]  # not a palindrome: order shows
@@ -161,8 +215,8 @@ def test_empty_and_blank_lines_give_empty_outputs(setup):
 def test_a_source_id_outside_the_vocabulary_is_an_error_not_garbage(setup):
     model, params, tokenizer, _ = setup  # one embedded as NaN, a negative one wrapped around
     vocab = tokenizer.vocab_size
-    for bad in (vocab, -3):
-        src_ids = [[5, 6, tokenizer.eos_id], [], [5, bad, tokenizer.eos_id]]
+    for bad in (vocab, -3):  # the first of the sentence, of the first such sentence named
+        src_ids = [[5, 6, tokenizer.eos_id], [], [5, bad, vocab + 9, tokenizer.eos_id], [-7]]
         with pytest.raises(
             ValueError, match=rf"src_ids\[2\] holds id {bad}, outside .*\[0, {vocab}\)"
         ):
@@ -188,7 +242,8 @@ def test_ids_that_are_not_integers_are_an_error_not_truncated_or_parsed(setup):
     model, params, tokenizer, sentences = setup
     kw = dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, greedy=True, max_extra_len=2)
     # [5.5, 7, 3] was decoded as [5, 7, 3], and ["5", "3"] as [5, 3].
-    for bad in ([5.5, 7, tokenizer.eos_id], ["5", str(tokenizer.eos_id)]):
+    # [[5, 7, 3]] (a sentence inside a list) is no sentence either.
+    for bad in ([5.5, 7, tokenizer.eos_id], ["5", str(tokenizer.eos_id)], [[5, 7, 3]]):
         with pytest.raises(ValueError, match=r"src_ids\[1\] must be a flat sequence of integer"):
             translate_ids(model, params, [[5, tokenizer.eos_id], bad], **kw)
     with pytest.raises(TypeError, match=r"src_ids holds text: give token ids"):
@@ -208,14 +263,16 @@ def test_ids_as_a_generator_or_a_padded_array_translate_as_the_list(setup):
     for row, ids in zip(padded, src_ids, strict=True):
         row[: len(ids)] = ids
     assert translate_ids(model, params, padded, **kw) == expected
+    assert translate_ids(model, params, padded.astype(np.uint16), **kw) == expected
     with pytest.raises(ValueError, match="max_tokens must be at least 1, got 0"):
         translate_ids(model, params, src_ids, max_tokens=0, **kw)
 
 
 def test_a_tokenizer_that_is_not_the_models_is_an_error(setup):
     model, params, tokenizer, sentences = setup
-    with pytest.raises(TypeError, match=r"got the path 'tok.model': use data.Tokenizer.load"):
-        translate(model, params, "tok.model", sentences[:1])
+    for path in ("tok.model", Path("tok.model")):
+        with pytest.raises(TypeError, match=r"got the path 'tok.model': use data.Tokenizer.load"):
+            translate(model, params, path, sentences[:1])
     other = Transformer(model.config.replace(vocab_size=500))  # it failed in SentencePiece
     with pytest.raises(ValueError, match="has 400 pieces but the model's vocabulary is 500"):
         translate(other, params, tokenizer, sentences[:1])
@@ -295,3 +352,36 @@ def test_programs_compiled_side_by_side_are_the_searches_and_kept(setup, monkeyp
         model, params, src_ids, beam_size=3, alpha=0.6, max_tokens=60, **kw
     )
     assert compiled[-1] == compiled[0]
+
+
+def test_a_program_is_kept_for_its_model_and_parameter_dtypes_by_recent_use(setup, monkeypatch):
+    # Bookkeeping only (nothing compiled): a shape asked for twice is compiled once; another
+    # model or parameters of another dtype get programs of their own (one compiled for
+    # float32 parameters does not take bfloat16 ones); the least recently used goes first.
+    model, params, _, _ = setup
+    compiled = []
+
+    def compile_side_by_side(lowerings):
+        compiled.append(len(lowerings))
+        return [object() for _ in lowerings]
+
+    monkeypatch.setattr(translate_module, "compile_side_by_side", compile_side_by_side)
+    monkeypatch.setattr(translate_module, "_PROGRAMS", {})
+    monkeypatch.setattr(translate_module, "MAX_KEPT_PROGRAMS", 3)
+    kw = dict(greedy=True, bos_id=2, eos_id=3, pad_id=0, max_extra_len=MAX_EXTRA_LEN)
+
+    def search_programs(model, params, shapes):
+        return translate_module.search_programs(model, params, shapes, **kw)
+
+    first = search_programs(model, params, [(1, 4), (2, 8), (1, 4)])
+    assert compiled == [2] and len(first) == 2
+    bfloat16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    search_programs(model, bfloat16, [(1, 4)])
+    search_programs(Transformer(model.config.replace(matmul_dtype="bfloat16")), params, [(1, 4)])
+    assert compiled == [2, 1, 1]
+    # Room for 3: the fourth put out the least recently used, (1, 4) of `model`. (2, 8),
+    # used again, outlasts the bfloat16 parameters' program when (1, 4) comes back.
+    assert search_programs(model, params, [(2, 8)]) == {(2, 8): first[(2, 8)]}
+    search_programs(model, params, [(1, 4)])
+    assert compiled == [2, 1, 1, 0, 1]
+    assert search_programs(model, params, [(2, 8)]) == {(2, 8): first[(2, 8)]}
