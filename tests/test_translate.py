@@ -250,6 +250,19 @@ def test_ids_that_are_not_integers_are_an_error_not_truncated_or_parsed(setup):
         translate_ids(model, params, sentences[:2], **kw)
 
 
+def test_one_sentences_ids_without_their_list_are_a_one_line_error():
+    # [4, 5, 3] (or its array) failed with "object of type 'int' has no len()", and a
+    # sentence of lists of two lengths with numpy's "inhomogeneous shape" naming no sentence.
+    one_id = r"src_ids\[0\] is the id 4, not a sentence: give a list of sentences' ids \(\[ids\]"
+    for src_ids, message in (
+        ([4, 5, 3], one_id),
+        (np.array([4, 5, 3]), one_id),
+        ([[4, 3], [[5, 6], [3]]], r"src_ids\[1\] must be a flat sequence of integer token ids"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            translate_ids(object(), {}, src_ids, bos_id=2, eos_id=3, greedy=True)
+
+
 def test_ids_as_a_generator_or_a_padded_array_translate_as_the_list(setup):
     # A generator was used up by the text check: nothing decoded, [] returned. A row of
     # padding only (an empty line in a padded array) was decoded as a sentence.

@@ -147,8 +147,19 @@ def search_programs(
 
 
 def _integer_ids(ids: Sequence[int], index: int) -> np.ndarray:
-    """One sentence's ids as int64; floats or strings would be truncated or parsed silently."""
-    array = np.asarray(ids)
+    """One sentence's ids as int64 (none for an empty one); floats or strings would be
+    truncated or parsed silently, and one id is a sentence's ids given without their list."""
+    try:
+        array = np.asarray(ids)
+    except ValueError:  # sequences of different lengths inside
+        array = np.asarray(ids, dtype=object)
+    if array.ndim == 1 and array.size == 0:
+        return np.zeros(0, np.int64)
+    if array.ndim == 0 and array.dtype.kind in "iu":
+        raise ValueError(
+            f"src_ids[{index}] is the id {array}, not a sentence: give a list of sentences' ids "
+            "([ids] for one sentence)"
+        )
     if array.dtype.kind not in "iu" or array.ndim != 1:
         raise ValueError(
             f"src_ids[{index}] must be a flat sequence of integer token ids, got {array.dtype} "
@@ -221,7 +232,8 @@ def translate_ids(
     Raises:
       ValueError: a source id outside the model's vocabulary, which would embed as NaN
         (or wrap around, if negative) and decode to garbage, or one that is not an
-        integer; max_tokens below 1.
+        integer; a sentence that is one id (its ids given without a list around them);
+        max_tokens below 1.
       TypeError: text in place of ids.
     """
     src_ids = src_ids if isinstance(src_ids, str) else list(src_ids)  # once, if a generator
@@ -234,12 +246,8 @@ def translate_ids(
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     params = jax.device_put(params)  # once, not on every batch's call
     outputs: list[list[int]] = [[] for _ in src_ids]
-    given = {
-        i: _without_end_padding(_integer_ids(ids, i), pad_id)
-        for i, ids in enumerate(src_ids)
-        if len(ids)
-    }
-    todo = [i for i, ids in given.items() if len(ids)]
+    given = [_without_end_padding(_integer_ids(ids, i), pad_id) for i, ids in enumerate(src_ids)]
+    todo = [i for i, ids in enumerate(given) if len(ids)]
     sources = [given[i] for i in todo]
     _check_ids(sources, todo, getattr(getattr(model, "config", None), "vocab_size", None))
     options = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, max_extra_len=max_extra_len)
