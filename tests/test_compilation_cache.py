@@ -486,6 +486,41 @@ def test_a_stop_while_lowering_starts_no_program_waiting_for_a_thread():
     assert _logged(log, "started") == [0]
 
 
+class _StopSeenOnceFinished:
+    """A stop request that the calling thread sees set from its second look on, once
+    program `name` has finished compiling: the threads never see it."""
+
+    def __init__(self, name, log):
+        self.name, self.log, self.looks = name, log, 0
+        self.caller = threading.current_thread()
+
+    def is_set(self):
+        if threading.current_thread() is not self.caller:
+            return False
+        self.looks += 1
+        if self.looks == 1:
+            return False
+        _wait_until(lambda: self.name in _logged(self.log, "finished"))
+        time.sleep(0.1)  # its result is queued just after
+        return True
+
+
+@pytest.mark.parametrize("error", [None, ValueError("bad")], ids=["compiled", "failed"])
+def test_a_program_done_when_the_stop_is_seen_is_kept_and_its_error_raised(error):
+    # A stop seen while waiting for the last program, which has just finished: it is
+    # returned compiled (a stop threw it away), and its error is raised, not lost.
+    release, log = threading.Event(), []
+    threading.Timer(0.3, release.set).start()  # done after the lowering loop's last look
+    lowerings = _lowerings([_Program(0, log, release=release, error=error)])
+    stop = _StopSeenOnceFinished(0, log)
+    if error is None:
+        assert compile_side_by_side(lowerings, threads=1, stop=stop) == ["compiled 0"]
+    else:
+        with pytest.raises(ValueError, match="bad"):
+            compile_side_by_side(lowerings, threads=1, stop=stop)
+    _join_compile_threads()
+
+
 def test_a_ctrl_c_while_lowering_starts_no_program_queued_before_it():
     release, log = threading.Event(), []
     programs = [_Program(0, log, release=release), _Program(1, log)]
