@@ -443,6 +443,10 @@ def test_no_more_programs_compile_at_once_than_threads_and_the_threads_end():
     assert {thread for what, _, thread in log if what == "started"} <= {"compile-1", "compile-2"}
     _join_compile_threads()
     assert not any(worker.is_alive() for worker in compilation_cache._WORKERS)
+    # Python's exit joins the threads on record, which stay those of the last call, not
+    # every thread a long run has started.
+    assert compile_side_by_side(_lowerings(programs[:2]), threads=2)[1] == "compiled 1"
+    assert len(compilation_cache._WORKERS) == 2
 
 
 def test_available_cores_are_the_processs_affinity_not_the_machines(monkeypatch):
