@@ -580,6 +580,18 @@ def test_exiting_at_once_keeps_the_status_python_would_give(
     assert exits == [status] and err in capsys.readouterr().err
 
 
+def test_with_nothing_compiling_what_main_raises_goes_on_to_python(monkeypatch):
+    # Python's own exit then ends the process: a KeyboardInterrupt as a death by SIGINT,
+    # which stops a shell script that runs the command, and a caller sees the exception.
+    monkeypatch.setattr(compilation_cache, "_exits_at_once", lambda: False)
+
+    def main():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        compilation_cache.exit_process(main)
+
+
 def test_exiting_at_once_keeps_what_was_printed(tmp_path):
     # os._exit drops what Python still buffers: a pipe's stdout is written in blocks, and
     # stderr a line at a time, so a line without its end was lost.
