@@ -1,6 +1,8 @@
 """Tokenizer: special ids, exact round trip on test2016, deterministic training, reuse."""
 
+import errno
 import io
+import pathlib
 import shutil
 
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 import sentencepiece as spm
 
 import data
+from data.errors import os_error_line
 
 
 @pytest.fixture
@@ -227,11 +230,6 @@ def test_a_failure_with_some_sentences_too_long_is_not_blamed_on_them(
 
 
 def test_a_full_disk_leaves_no_half_written_tokenizer(small_corpus, tmp_path, monkeypatch):
-    import errno
-    import pathlib
-
-    from data.errors import os_error_line
-
     def full(self, content):  # part of the file, then the disk is full
         with open(self, "wb") as f:
             f.write(content[:10])

@@ -1,5 +1,6 @@
 """A fork of a run resumes to exactly the run it was forked from, unless told otherwise."""
 
+import shutil
 from pathlib import Path
 
 import jax
@@ -183,8 +184,6 @@ def test_soup_decodes_the_first_workdirs_model_with_the_soup_of_all(monkeypatch,
 
 
 def test_a_copy_that_fails_leaves_no_half_fork(tmp_path, capsys, monkeypatch):
-    import shutil
-
     (tmp_path / "run" / "checkpoints" / "4").mkdir(parents=True)
     (tmp_path / "run" / "config.json").write_text("{}")
     monkeypatch.setattr("benchmarks.fork_run.checkpoint_steps", lambda workdir: [4])
@@ -261,8 +260,6 @@ def test_fork_needs_a_step(tmp_path, capsys):
 
 
 def test_a_copy_error_of_several_files_is_one_line(tmp_path, capsys, monkeypatch):
-    import shutil
-
     run = _hand_made_workdir(tmp_path / "run")
 
     def copy_with_errors(src, dst, **kwargs):
