@@ -3,6 +3,7 @@ with the same results, and the cache leaves no global setting behind."""
 
 import errno
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -612,6 +613,33 @@ def test_exiting_at_once_keeps_what_was_printed(tmp_path):
     )  # fmt: skip
     assert done.returncode == 3, done.stderr
     assert done.stdout == "a line\n" and done.stderr.endswith("a line without its end")
+
+
+def test_a_command_writes_its_stdout_to_a_pipe_a_line_at_a_time():
+    # Written in 8 KiB blocks, `python train.py > train.log` showed no line of the log
+    # until the run ended. This command prints a line, then waits for its stdin to close.
+    code = (
+        "import sys\n"
+        "from transformer.compilation_cache import exit_process\n"
+        "def main():\n"
+        "    print('a line')\n"
+        "    return len(sys.stdin.read())\n"
+        "exit_process(main)\n"
+    )
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    process = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, env=buffered,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        readable = select.select([process.stdout], [], [], 60)[0]
+        assert readable, "no line within 60 s of the command running"
+        assert process.stdout.readline() == b"a line\n"
+        assert process.poll() is None  # it arrived while the command was still running
+    finally:
+        process.stdin.close()
+        if process.wait(timeout=60) != 0:
+            raise AssertionError(process.stderr.read().decode())
 
 
 # Its compile() takes a second and then writes the file named by the first argument.

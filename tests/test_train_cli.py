@@ -1234,6 +1234,43 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(slice_dir, tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 100000
 
 
+# train.py, held at its step 12 record for 10 minutes: what it printed before then must
+# reach its stdout while it runs (a log of about 1 KiB, well under a write block).
+HELD_AT_STEP_12 = (
+    "import time; from transformer import training; write = training.MetricsLog.write\n"
+    "def held(self, step, values):\n"
+    "    if step >= 12: time.sleep(600)\n"
+    "    write(self, step, values)\n"
+    "training.MetricsLog.write = held\n"
+    "import train; from transformer.compilation_cache import exit_process; "
+    "exit_process(train.main)"
+)
+
+
+def test_the_log_reaches_a_file_or_a_pipe_while_training(slice_dir, tmp_path):
+    # `python train.py > train.log` or `| tee`: stdout was written in 8 KiB blocks, so
+    # `tail -f` showed none of an hour's log until the run ended.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    args = _flags(slice_dir, tmp_path, "--steps", "100000")
+    process = subprocess.Popen(
+        [sys.executable, "-c", HELD_AT_STEP_12, *args], env=env, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    out = b""
+    try:
+        deadline = time.time() + 120
+        while b"\nstep 8/100000: loss " not in out:
+            assert process.poll() is None, out.decode()
+            assert time.time() < deadline, f"no step 8 line within 120 s: {out.decode()}"
+            if select.select([process.stdout], [], [], 0.2)[0]:
+                out += os.read(process.stdout.fileno(), 1 << 16)
+    finally:
+        process.kill()
+        process.wait()
+    assert b"\nstep 4/100000: loss " in out and out.startswith(b"data: ")
+
+
 def test_a_hung_up_terminal_saves_a_checkpoint_and_exits_0(slice_dir, tmp_path):
     # A closed terminal or a dropped SSH session: SIGHUP ended the run unsaved, and after
     # the hang-up every write to the terminal fails with EIO.

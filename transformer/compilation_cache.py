@@ -273,7 +273,13 @@ def exit_process(main: Callable[[], int]) -> NoReturn:
     `main` raises is then printed as Python prints it, with status 1 (130 for a
     KeyboardInterrupt). With several hosts Python's exit is kept, which leaves JAX's
     coordination service in step with the other hosts.
+
+    Stdout is line-buffered first: to a file or a pipe (`python train.py > train.log`,
+    `| tee`) Python writes it in blocks of 8 KiB, so `tail -f` showed none of an hour's
+    log until the run ended, and a run killed (out of memory) lost its last lines.
     """
+    if hasattr(sys.stdout, "reconfigure"):  # not where it is None or a caller's own stream
+        sys.stdout.reconfigure(line_buffering=True)
     try:
         status = main()
     except BaseException as e:
