@@ -78,12 +78,14 @@ class Prefetcher:
         that call on its own; it is a daemon, so it does not keep the process alive."""
         self._stop.set()
         self._done = True
+        self._thread.join(timeout=5)  # its put gives up within 0.1 s of the stop
+        # Emptied after the join: an item the thread was putting as the stop came would go
+        # in after an emptying before it, and stay for as long as this object.
         while True:
             try:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-        self._thread.join(timeout=5)
 
     def __enter__(self) -> Prefetcher:
         return self

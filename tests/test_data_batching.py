@@ -1,11 +1,13 @@
 """Batching: token cache, bucket shapes, padding efficiency, resume, device independence."""
 
+import gc
 import itertools
 import json
 import os
 import pathlib
 import threading
 import time
+import weakref
 import zipfile
 
 import numpy as np
@@ -633,6 +635,39 @@ def test_prefetch_runs_at_most_size_items_ahead():
     pulled = 0
     with data.prefetch(endless(), size=0) as it:  # not Queue(0), which has no bound
         assert pulled_when_still() == 1 + 1
+
+
+def _wait_until(condition, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the producer did not get there"
+        time.sleep(0.01)
+
+
+def test_prefetch_as_a_context_manager_stops_its_thread_and_drops_pending_items():
+    # A run that ends keeps neither a thread pulling batches nor the batches it pulled.
+    class Item:
+        pass
+
+    made = []
+
+    def make():
+        item = Item()
+        made.append(weakref.ref(item))
+        return item
+
+    def items():
+        while True:
+            yield make()
+
+    with data.prefetch(items(), size=2) as it:
+        first = next(it)
+        _wait_until(lambda: len(made) == 1 + 2 + 1)  # 2 in the queue, 1 waiting to go in
+    assert not it._thread.is_alive()
+    gc.collect()
+    # The producer may have pulled one more before it saw the stop: gone as well.
+    assert [ref() is not None for ref in made] == [True] + [False] * (len(made) - 1)
+    assert made[0]() is first
 
 
 # --- shapes of made-up corpora ---
