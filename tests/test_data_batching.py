@@ -635,6 +635,9 @@ def test_prefetch_runs_at_most_size_items_ahead():
     pulled = 0
     with data.prefetch(endless(), size=0) as it:  # not Queue(0), which has no bound
         assert pulled_when_still() == 1 + 1
+    pulled = 0
+    with data.prefetch(endless()) as it:  # the default: 2 ahead, as train.py asks
+        assert pulled_when_still() == 2 + 1
 
 
 def _wait_until(condition, seconds=5.0):
@@ -642,6 +645,65 @@ def _wait_until(condition, seconds=5.0):
     while not condition():
         assert time.monotonic() < deadline, "the producer did not get there"
         time.sleep(0.01)
+
+
+class _Counting:
+    """An iterator of 1, 2, 3, ... with a TokenBatcher's state(): how many it handed out."""
+
+    def __init__(self):
+        self.position = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.position += 1
+        return self.position
+
+    def state(self):
+        return {"position": self.position}
+
+
+def test_prefetch_state_is_the_consumers_while_the_producer_runs_ahead():
+    # What a checkpoint stores: a resumed run must go on from the last batch trained on,
+    # not from the producer's, which is `size` + 1 batches further.
+    counting = _Counting()
+    with data.prefetch(counting, size=3) as it:
+        _wait_until(lambda: counting.position == 3 + 1)
+        assert it.state() == {"position": 0}  # nothing consumed yet: where it started
+        assert [next(it), next(it)] == [1, 2]
+        _wait_until(lambda: counting.position == 2 + 3 + 1)
+        assert it.state() == {"position": 2}
+
+
+def test_prefetch_of_an_iterator_whose_state_is_no_method_has_no_state():
+    class Tagged:  # `state` a plain attribute, not a TokenBatcher's method
+        state = "ready"
+
+        def __init__(self):
+            self.items = iter(range(3))
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return next(self.items)
+
+    fetched = data.prefetch(Tagged())
+    assert list(fetched) == [0, 1, 2] and fetched.state() is None
+
+
+def test_prefetch_hands_on_an_exit_that_is_no_exception():
+    # A SystemExit or KeyboardInterrupt raised in the producer must reach the consumer;
+    # else its next() waits for ever on a thread that is gone.
+    def leaving():
+        yield 1
+        raise SystemExit("the data source gave up")
+
+    it = data.prefetch(leaving())
+    assert _next_within(it) == 1
+    with pytest.raises(SystemExit, match="gave up"):
+        _next_within(it)
 
 
 def test_prefetch_as_a_context_manager_stops_its_thread_and_drops_pending_items():

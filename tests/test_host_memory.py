@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import fnmatch
+import glob
+import importlib.metadata
+import importlib.util
 import os
 import statistics
 import subprocess
 import sys
+import types
+from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
@@ -147,3 +153,120 @@ def test_changes_nothing_where_jax_will_run_on_an_accelerator():
     # A CUDA plugin on a machine without an NVIDIA device runs on the CPU.
     assert _decides("gpu", "none") == "True"
     assert _decides("none", "device") == "True"
+
+
+@pytest.fixture
+def host_memory_module():
+    """A private copy of transformer/host_memory.py: conftest.py swaps the suite's
+    keep_freed_host_memory for a stand-in, and the copy's names can be faked alone."""
+    spec = importlib.util.spec_from_file_location(
+        "host_memory_under_test", REPO / "transformer" / "host_memory.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_only_glibc_counts_as_glibc(host_memory_module):
+    def libc(names, confstr):
+        fake = types.SimpleNamespace(confstr=confstr)
+        if names is not None:
+            fake.confstr_names = names
+        host_memory_module.os = fake
+        return host_memory_module.uses_glibc()
+
+    def unknown(name):  # os.confstr of a name the platform does not have
+        raise ValueError(f"unrecognized configuration name {name}")
+
+    assert libc({"CS_GNU_LIBC_VERSION": 2}, lambda name: "glibc 2.39")
+    assert not libc({"CS_PATH": 1}, unknown)  # macOS, musl: no such name
+    assert not libc(None, unknown)  # Windows: no confstr at all
+    assert not libc({"CS_GNU_LIBC_VERSION": 2}, lambda name: None)  # a name with no value
+
+
+def test_changes_nothing_outside_glibc(host_memory_module, monkeypatch):
+    # mallopt is glibc's: on macOS or musl it is not there to call.
+    calls = []
+    libc = types.SimpleNamespace(mallopt=lambda *args: calls.append(args) or 1)
+    monkeypatch.setattr(host_memory_module.ctypes, "CDLL", lambda name: libc)
+    host_memory_module.uses_glibc = lambda: False
+    host_memory_module.accelerator_expected = lambda: False
+    assert host_memory_module.keep_freed_host_memory() is False
+    assert calls == []
+
+
+@pytest.fixture
+def machine(host_memory_module, monkeypatch, tmp_path):
+    """accelerator_expected() on a faked machine: `entry_points` names JAX plugins installed
+    with an entry point of JAX's group (`jax_plugins`; none in any other group), `namespace`
+    those installed as modules of the jax_plugins namespace package, `devices` the device
+    nodes present, `libtpu` whether libtpu is installed; nothing else of this machine is
+    looked at."""
+    import jax
+
+    platforms = jax.config.jax_platforms
+    real_exists, real_glob, real_find_spec = os.path.exists, glob.glob, importlib.util.find_spec
+
+    def expected(entry_points=(), namespace=(), devices=(), libtpu=False):
+        jax.config.update("jax_platforms", None)
+
+        def plugin_entry_points(group):
+            return [EntryPoint(n, f"jax_plugins.{n}", group) for n in entry_points] * (
+                group == "jax_plugins"
+            )
+
+        monkeypatch.setattr(importlib.metadata, "entry_points", plugin_entry_points)
+        package = None
+        if namespace:
+            folder = tmp_path / "-".join(namespace)
+            for name in namespace:
+                (folder / name).mkdir(parents=True, exist_ok=True)
+                (folder / name / "__init__.py").write_text("")
+            package = types.ModuleType("jax_plugins")
+            package.__path__ = [str(folder)]
+        monkeypatch.setitem(sys.modules, "jax_plugins", package)  # None: no such package
+        monkeypatch.setattr(
+            os.path, "exists", lambda p: p in devices if p.startswith("/dev/") else real_exists(p)
+        )
+        monkeypatch.setattr(
+            glob,
+            "glob",
+            lambda pattern: (
+                [d for d in devices if fnmatch.fnmatch(d, pattern)]
+                if pattern.startswith("/dev/")
+                else real_glob(pattern)
+            ),
+        )
+        monkeypatch.setattr(
+            importlib.util,
+            "find_spec",
+            lambda name: (
+                (object() if libtpu else None) if name == "libtpu" else real_find_spec(name)
+            ),
+        )
+        return host_memory_module.accelerator_expected()
+
+    yield expected
+    jax.config.update("jax_platforms", platforms)
+
+
+def test_a_rocm_plugin_is_an_accelerator_with_an_amd_device_only(machine):
+    assert machine(entry_points=["xla_rocm7"], devices=["/dev/kfd"])
+    assert not machine(entry_points=["xla_rocm7"])
+    assert not machine(entry_points=["xla_rocm7"], devices=["/dev/nvidiactl"])
+    assert not machine(entry_points=["xla_cuda13"], devices=["/dev/kfd"])
+
+
+def test_plugins_of_the_jax_plugins_namespace_package_count_too(machine):
+    # How JAX finds a plugin installed without an entry point.
+    assert machine(namespace=["xla_cuda12"], devices=["/dev/nvidiactl"])
+    assert not machine(namespace=["xla_cuda12"])
+    assert not machine(namespace=["some_other_plugin"], devices=["/dev/nvidiactl"])
+
+
+def test_a_tpu_is_an_accelerator_with_libtpu_and_its_device_node(machine):
+    assert machine(libtpu=True, devices=["/dev/accel0"])
+    assert machine(libtpu=True, devices=["/dev/vfio/0"])  # newer TPU VMs
+    assert not machine(libtpu=True, devices=["/dev/vfio/vfio"])  # VFIO's own node
+    assert not machine(libtpu=True)
+    assert not machine(devices=["/dev/accel0", "/dev/vfio/0"])  # no libtpu: JAX cannot use it

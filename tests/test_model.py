@@ -2,6 +2,7 @@
 
 import functools
 import json
+import re
 
 import flax
 import jax
@@ -646,6 +647,46 @@ def test_config_round_trip_and_validation():
         TransformerConfig.preset("huge", vocab_size=10)
     with pytest.raises(ValueError, match="unknown TransformerConfig fields"):
         TransformerConfig.from_dict({**config.to_dict(), "d_modle": 3})
+    # The dict is the caller's to change: the frozen config stays as it was.
+    fields = config.to_dict()
+    fields["d_model"] = 64
+    assert config.d_model == 32 and config.to_dict()["d_model"] == 32
+
+
+def test_an_unknown_preset_is_told_the_names_there_are():
+    # train.py --preset prints this line as its usage error.
+    with pytest.raises(ValueError) as error:
+        TransformerConfig.preset("huge", vocab_size=10)
+    assert str(error.value) == "unknown preset 'huge'; choose from base, big, mini, small, tiny"
+    assert TransformerConfig.preset_names() == ["base", "big", "mini", "small", "tiny"]
+    # Each name builds a preset of its own.
+    names = TransformerConfig.preset_names()
+    assert len({TransformerConfig.preset(name, vocab_size=VOCAB) for name in names}) == 5
+
+
+def _parameter_count(config: TransformerConfig) -> int:
+    tokens = jnp.ones((1, 4), jnp.int32)
+    shapes = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens, tokens)
+    return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
+
+
+def test_the_multi30k_presets_are_the_models_of_the_recorded_runs():
+    """benchmarks/EXPERIMENTS.md compares `small` (7.07M parameters with the 6000-piece
+    vocabulary) with the default `mini` on the same training pairs: both keep the data
+    pipeline's longest pair (train.py's --max-len comes from the preset)."""
+    import data
+
+    small = TransformerConfig.preset("small", vocab_size=6000)
+    assert round(_parameter_count(small) / 1e4) == 707
+    for name in ("small", "mini"):
+        assert TransformerConfig.preset(name, vocab_size=6000).max_len == data.DEFAULT_MAX_LEN
+
+
+def test_each_dtype_name_is_that_dtype():
+    for name in ("float32", "bfloat16", "float16"):
+        config = _config(dtype=name, matmul_dtype=name)
+        assert config.compute_dtype == config.matmul_operand_dtype == jnp.dtype(name)
+    assert _config().matmul_operand_dtype is None
 
 
 @pytest.mark.parametrize("beams", [2, 3])
@@ -702,17 +743,30 @@ def test_a_dropout_rate_that_drops_everything_is_a_config_error(field):
         ("share_embeddings", "no", "share_embeddings must be True or False, got 'no'"),
         ("share_embeddings", 1, "share_embeddings must be True or False, got 1"),
         ("dropout_rate", "0.1", "dropout_rate must be a number, got '0.1'"),
+        ("dropout_rate", False, "dropout_rate must be a number, got False"),
+        ("pad_id", 0.0, "pad_id must be an integer, got 0.0"),
+        (
+            "dtype",
+            "float64",
+            "dtype must be one of ['bfloat16', 'float16', 'float32'], got 'float64'",
+        ),
+        ("dtype", None, "dtype must be one of ['bfloat16', 'float16', 'float32'], got None"),
     ],
 )
 def test_a_field_of_the_wrong_type_is_a_config_error_naming_it(field, value, message):
     # Before: a float width built and failed in init on its shapes, "no" meant True.
-    with pytest.raises(ValueError, match=f"^{message}$"):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         TransformerConfig.preset("tiny", **{"vocab_size": VOCAB, field: value})
     numpy_scalars = dict(
-        vocab_size=np.int64(VOCAB), pre_layer_norm=np.bool_(True), dropout_rate=np.float64(0.25)
+        vocab_size=np.int64(VOCAB),
+        pre_layer_norm=np.bool_(True),
+        dropout_rate=np.float64(0.25),
+        attention_dropout_rate=np.float32(0.125),  # not a subclass of float, as float64 is
+        pad_id=np.int32(1),
     )
     config = TransformerConfig.preset("tiny", **numpy_scalars)
     assert config.vocab_size == VOCAB and config.pre_layer_norm and config.dropout_rate == 0.25
+    assert config.attention_dropout_rate == 0.125 and config.pad_id == 1
     # Taken as Python's numbers, so the config json.dumps can write (train.py's config.json).
     assert TransformerConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
 
