@@ -34,6 +34,10 @@ def test_odd_sizes_and_dtypes_keep_their_shape_and_dtype():
     y = dropout(x, 0.5, jax.random.key(1))
     assert y.shape == x.shape and y.dtype == jnp.bfloat16
     assert 0 < int(jnp.sum(y == 0)) < x.size
+    # "Any array": an integer one too stays integer (its dropped elements an integer 0).
+    y = dropout(jnp.ones((3, 5, 7), jnp.int32), 0.5, jax.random.key(1))
+    assert y.shape == x.shape and y.dtype == jnp.int32
+    assert 0 < int(jnp.sum(y == 0)) < x.size
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -55,7 +59,7 @@ def test_masks_follow_the_key():
 
 
 def test_module_is_identity_when_deterministic_or_rate_rounds_to_zero():
-    x = jnp.arange(12.0).reshape(3, 4)
+    x = jnp.arange(1.0, 13.0).reshape(3, 4)  # no zeros of its own: a zero out is dropped
     rngs = {"dropout": jax.random.key(0)}
     assert Dropout(0.5, deterministic=True).apply({}, x, rngs=rngs) is x
     # Flax's call form too: a drop-in for nn.Dropout(rate)(x, deterministic=not train).
@@ -68,8 +72,19 @@ def test_module_is_identity_when_deterministic_or_rate_rounds_to_zero():
     assert np.any(np.asarray(Dropout(0.5).apply({}, x, rngs=rngs)) == 0.0)
 
 
+def test_module_drops_at_its_own_rate():
+    x = jnp.ones((100_000,))
+    rngs = {"dropout": jax.random.key(6)}
+    for rate in (0.1, 0.7):
+        y = np.asarray(Dropout(rate, deterministic=False).apply({}, x, rngs=rngs))
+        # 1e5 draws: the standard error of the fraction is at most 1.6e-3.
+        assert abs(np.mean(y == 0.0) - quantized_rate(rate)) < 8e-3, rate
+        np.testing.assert_allclose(y[y != 0], 1 / (1 - quantized_rate(rate)), rtol=1e-6)
+
+
 def test_rejects_a_rate_outside_0_1_or_rounding_to_1():
-    for rate in (1.0, -0.1, 0.999):  # 0.999 rounds to 256/256: every element dropped
+    # 0.999 rounds to 256/256: every element dropped; NaN and infinity named as the others.
+    for rate in (1.0, -0.1, 0.999, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=rf"dropout rate must be in \[0, 1\).*got {rate}"):
             dropout(jnp.ones(4), rate, jax.random.key(0))
     kept = dropout(jnp.ones(4096), 0.997, jax.random.key(0))  # 255/256: the largest rate

@@ -112,17 +112,36 @@ def test_bfloat16_operands_keep_float32_gradients(name, product, plain, shapes):
         assert np.any(np.asarray(grad) != np.asarray(_to_bfloat16_values(grad)))
 
 
+@pytest.mark.parametrize("narrow", [0, 1], ids=["first bfloat16", "second bfloat16"])
 @pytest.mark.parametrize("name,product,plain,shapes", CASES[:1] + CASES[3:], ids=IDS[:1] + IDS[3:])
 def test_operands_of_two_dtypes_give_their_common_dtype_and_gradients_of_their_own(
-    name, product, plain, shapes
+    name, product, plain, shapes, narrow
 ):
-    a, b = _operands(shapes)
-    a = a.astype(jnp.bfloat16)  # a library user's mixed inputs (the model promotes first)
-    out, vjp = jax.vjp(product, a, b)
+    operands = _operands(shapes)
+    # A library user's mixed inputs (the model promotes first), either one the narrower.
+    operands[narrow] = operands[narrow].astype(jnp.bfloat16)
+    out, vjp = jax.vjp(product, *operands)
     assert out.dtype == jnp.float32
-    np.testing.assert_allclose(out, plain(a.astype(jnp.float32), b), rtol=1e-5, atol=1e-5)
-    grad_a, grad_b = vjp(jnp.ones_like(out))
-    assert (grad_a.dtype, grad_b.dtype) == (jnp.bfloat16, jnp.float32)
+    wide = [x.astype(jnp.float32) for x in operands]
+    np.testing.assert_allclose(out, plain(*wide), rtol=1e-5, atol=1e-5)
+    grads = vjp(jnp.ones_like(out))
+    assert [g.dtype for g in grads] == [x.dtype for x in operands]
+
+
+@pytest.mark.parametrize("name,product,plain,shapes", CASES, ids=IDS)
+def test_bfloat16_inputs_give_bfloat16_products_and_gradients(name, product, plain, shapes):
+    # The model's compute dtype bfloat16 (without matmul_dtype): inputs, product and
+    # gradients all bfloat16, the sums taken in float32 and rounded once.
+    a, b = (x.astype(jnp.bfloat16) for x in _operands(shapes))
+    out, vjp = jax.vjp(product, a, b)
+    assert out.dtype == jnp.bfloat16
+    wide_a, wide_b = a.astype(jnp.float32), b.astype(jnp.float32)
+    np.testing.assert_allclose(out.astype(jnp.float32), plain(wide_a, wide_b), rtol=1e-2, atol=1e-2)
+    g = jax.random.normal(jax.random.PRNGKey(1), out.shape).astype(jnp.bfloat16)
+    _, plain_vjp = jax.vjp(plain, wide_a, wide_b)
+    for grad, want in zip(vjp(g), plain_vjp(g.astype(jnp.float32)), strict=True):
+        assert grad.dtype == jnp.bfloat16
+        np.testing.assert_allclose(grad.astype(jnp.float32), want, rtol=1e-2, atol=1e-2)
 
 
 def test_other_dimension_numbers_or_a_precision_go_to_dot_general_operands_rounded():
@@ -138,6 +157,91 @@ def test_other_dimension_numbers_or_a_precision_go_to_dot_general_operands_round
     )(x, w[0])
     precisions = [e.params["precision"] for e in highest.eqns if e.primitive.name == "dot_general"]
     assert precisions == [(lax.Precision.HIGHEST, lax.Precision.HIGHEST)]
+
+
+# (dimension numbers, lhs shape, rhs shape): products that are not a dense layer's,
+# each close to one (contracted dims at the ends, or of the same total size).
+NOT_DENSE = [
+    ((((0,), (0,)), ((), ())), (8, 16), (8, 24)),  # x^T w: lhs contracted over its first dim
+    ((((2,), (1,)), ((), ())), (4, 8, 16), (24, 16)),  # x w^T: rhs contracted over its last
+    ((((2, 1), (0, 1)), ((), ())), (4, 6, 8), (8, 6, 24)),  # lhs's last two, out of order
+    ((((1, 2), (1, 0)), ((), ())), (4, 8, 6), (6, 8, 24)),  # rhs's first two, out of order
+    ((((2,), (0,)), ((0,), (1,))), (4, 8, 16), (16, 4, 24)),  # batched, contracted in place
+]
+
+
+@pytest.mark.parametrize(
+    "dims,lhs_shape,rhs_shape",
+    NOT_DENSE,
+    ids=["lhs first", "rhs last", "lhs out of order", "rhs out of order", "batched"],
+)
+def test_products_other_than_a_dense_layers_equal_dot_general(dims, lhs_shape, rhs_shape):
+    x, w = _operands([lhs_shape, rhs_shape])
+    want = lax.dot_general(x, w, dims)
+    out = dense_dot_general(x, w, dims)
+    assert out.shape == want.shape
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_dimension_numbers_dot_general_rejects_are_rejected():
+    # A batch dimension on one side only: not a dense layer's product with one ignored.
+    x, w = _operands([(4, 8, 16), (16, 24)])
+    with pytest.raises(TypeError, match="batch"):  # as lax.dot_general raises
+        dense_dot_general(x, w, (((2,), (0,)), ((0,), ())))
+
+
+@pytest.mark.parametrize(
+    "dims", [_DENSE_DIMS, (((2,), (1,)), ((0,), (0,)))], ids=["dense", "batched"]
+)
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (jnp.bfloat16, jnp.bfloat16, jnp.float32),
+        (jnp.bfloat16, jnp.float32, jnp.bfloat16),
+        (jnp.float32, jnp.bfloat16, jnp.bfloat16),
+        (jnp.bfloat16, jnp.float32, None),
+        (jnp.float32, jnp.bfloat16, None),
+    ],
+    ids=["bf16 to f32", "bf16 f32 to bf16", "f32 bf16 to bf16", "bf16 f32", "f32 bf16"],
+)
+def test_the_result_dtype_is_dot_generals(dims, dtypes):
+    # As lax.dot_general: preferred_element_type when given, else the operands' common dtype.
+    lhs_dtype, rhs_dtype, preferred = dtypes
+    x, w = _operands([(8, 16, 32), (8, 32, 24) if dims != _DENSE_DIMS else (32, 24)])
+    x, w = x.astype(lhs_dtype), w.astype(rhs_dtype)
+    want = lax.dot_general(x, w, dims, preferred_element_type=preferred)
+    out = dense_dot_general(x, w, dims, preferred_element_type=preferred)
+    assert out.dtype == want.dtype
+    if lhs_dtype == rhs_dtype:  # bfloat16 operands, a float32 result: no rounding of it
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def _copied_sizes(jaxpr) -> list[int]:
+    """Sizes of the arrays a jaxpr (and the jaxprs inside it) copies through a barrier."""
+    sizes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "optimization_barrier":
+            sizes += [var.aval.size for var in eqn.invars]
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else [param]:
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
+                if hasattr(inner, "eqns"):
+                    sizes += _copied_sizes(inner)
+    return sizes
+
+
+@pytest.mark.parametrize("name,product,plain,shapes", CASES[:4], ids=IDS[:4])
+def test_the_weight_gradient_copies_the_smaller_of_input_and_output_gradient(
+    name, product, plain, shapes
+):
+    # The transposed copy is of x [N, K] or of g [N, M], whichever is smaller (x for the
+    # tied projection, where g has the vocabulary's width), besides the weight-sized product.
+    x, w = _operands(shapes)
+    g_size = product(x, w).size
+    jaxpr = jax.make_jaxpr(jax.grad(_loss(product), argnums=(0, 1)))(x, w).jaxpr
+    sizes = _copied_sizes(jaxpr)
+    assert sizes  # the copies are there to be looked at
+    assert max(sizes) <= max(min(x.size, g_size), w.size), (sizes, x.size, g_size, w.size)
 
 
 def _unfused_dots(hlo_text: str) -> list[str]:
