@@ -686,6 +686,107 @@ def test_restore_last_reads_the_newest_k_in_order_and_refuses_what_it_cannot_ave
     )
 
 
+def _reads_as_a_run_trains(monkeypatch, workdir, params, keep, saves):
+    """Checkpoints.restore_params as it goes while a train.py (keep `keep`) runs in
+    `workdir`: before each read, that run saves the next of `saves` ((step, val_bleu)
+    pairs), which deletes the checkpoints its policy no longer keeps."""
+    read, to_save = Checkpoints.restore_params, list(saves)
+
+    def read_as_the_run_saves(self, step):
+        if to_save:
+            saved, bleu = to_save.pop(0)
+            with Checkpoints(workdir, keep=keep) as run:
+                run.save(saved, _shifted(params, saved), _OPT, {}, val_bleu=bleu)
+        return read(self, step)
+
+    monkeypatch.setattr(Checkpoints, "restore_params", read_as_the_run_saves)
+
+
+def test_an_average_of_a_run_still_training_is_of_its_checkpoints_after_a_deletion(
+    tmp_path, params, monkeypatch
+):
+    # evaluate.py --average-last 3 while train.py (keep 3) saved step 8 and deleted step 2,
+    # the oldest of the three read: that was "checkpoint step 2 ... cannot be read", as if
+    # it were damaged, and no average.
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model": {}, "train": {"keep_checkpoints": 3}})
+    )
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        for step in (2, 4, 6):
+            ckpts.save(step, _shifted(params, step), _OPT, {})
+    _reads_as_a_run_trains(monkeypatch, tmp_path, params, 3, [(8, None)])
+    logged = []
+    trees, steps = restore_last(tmp_path, 3, log=logged.append)
+    assert steps == [4, 6, 8] and checkpoint_steps(tmp_path) == [4, 6, 8]
+    for tree, step in zip(trees, steps, strict=True):
+        leaves = zip(jax.tree.leaves(tree), jax.tree.leaves(_shifted(params, step)), strict=True)
+        assert all(np.array_equal(a, b) for a, b in leaves)
+    assert logged == [
+        f"checkpoint step 2 in {tmp_path / 'checkpoints'} was deleted while it was read (a "
+        "run training there keeps only its last checkpoints and its best); choosing again "
+        "from the checkpoints there now"
+    ]
+
+
+def test_the_best_of_a_run_still_training_is_chosen_again_where_a_better_one_replaced_it(
+    tmp_path, params, monkeypatch
+):
+    # keep 1: the best, step 2, is deleted as step 6 is saved with a higher BLEU. The best
+    # is then step 6, not "step 2 is damaged" and the next best.
+    with Checkpoints(tmp_path, keep=1) as ckpts:
+        ckpts.save(2, _shifted(params, 2), _OPT, {}, val_bleu=20.0)
+        ckpts.save(4, _shifted(params, 4), _OPT, {}, val_bleu=10.0)
+    _reads_as_a_run_trains(monkeypatch, tmp_path, params, 1, [(6, 30.0)])
+    logged = []
+    chosen = restore_chosen(tmp_path, "best", log=logged.append)
+    assert (chosen.step, chosen.label) == (6, "best") and checkpoint_steps(tmp_path) == [6]
+    leaves = zip(jax.tree.leaves(chosen.params), jax.tree.leaves(_shifted(params, 6)), strict=True)
+    assert all(np.array_equal(a, b) for a, b in leaves)
+    assert len(logged) == 1 and logged[0].startswith("checkpoint step 2 in ")
+
+
+def test_a_scored_step_deleted_after_it_was_listed_is_no_missing_metrics_file(
+    tmp_path, params, monkeypatch
+):
+    # Opening the checkpoints as a run training there deletes one it has just listed: that
+    # was "checkpoint step 2 ... has no metrics file", with advice to write one.
+    with Checkpoints(tmp_path, keep=3) as ckpts:
+        ckpts.save(2, params, _OPT, {}, val_bleu=20.0)
+        ckpts.save(4, params, _OPT, {}, val_bleu=30.0)
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 2, "val_bleu": 20.0}\n{"step": 4, "val_bleu": 30.0}\n'
+    )
+    listed = sorted((tmp_path / "checkpoints").iterdir())
+    shutil.rmtree(tmp_path / "checkpoints" / "2")
+    real_iterdir = Path.iterdir
+    monkeypatch.setattr(
+        Path, "iterdir", lambda p: iter(listed) if p.name == "checkpoints" else real_iterdir(p)
+    )
+    with Checkpoints(tmp_path, read_only=True) as ckpts:
+        assert ckpts.steps() == [4]
+
+
+def test_a_checkpoint_deleted_at_every_read_ends_the_read_in_one_line(
+    tmp_path, params, monkeypatch
+):
+    # A run that saves (keep 1) as fast as its newest checkpoint is read.
+    with Checkpoints(tmp_path, keep=1) as ckpts:
+        ckpts.save(2, _shifted(params, 2), _OPT, {})
+    _reads_as_a_run_trains(monkeypatch, tmp_path, params, 1, [(4, None), (6, None), (8, None)])
+    logged = []
+    with pytest.raises(CheckpointError) as info:
+        restore_chosen(tmp_path, "last", log=logged.append)
+    assert str(info.value) == (
+        f"checkpoint step 6 in {tmp_path / 'checkpoints'} was deleted while it was read (a "
+        "run training there keeps only its last checkpoints and its best), 3 times in a "
+        "row; evaluate once that run has stopped"
+    )
+    assert [line.split(" in ")[0] for line in logged] == [
+        "checkpoint step 2",
+        "checkpoint step 4",
+    ]
+
+
 def test_a_long_read_error_is_cut_between_words():
     from transformer.checkpoints import _first_line
 

@@ -34,11 +34,12 @@ import platform
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -854,6 +855,8 @@ def _check_metrics_files(workdir: str | os.PathLike, directory: Path) -> None:
         if not step.name.isdigit():
             continue
         if not path.is_file():
+            if not step.is_dir():  # deleted since it was listed, by a run saving a newer one
+                continue
             bleu = logged_bleu(int(step.name))
             if bleu is not None:
                 raise CheckpointError(
@@ -1009,13 +1012,59 @@ class _Unreadable(CheckpointError):
         return message + (f"; trying {then}" if older else "")
 
 
+class _Deleted(CheckpointError):
+    """A checkpoint was deleted while it was read: a train.py still running in the workdir
+    deletes the oldest of the checkpoints it keeps as it saves a newer one."""
+
+    def __init__(self, step: int, directory: Path):
+        super().__init__(
+            f"checkpoint step {step} in {directory} was deleted while it was read (a run "
+            "training there keeps only its last checkpoints and its best)"
+        )
+
+
+def _deleted(directory: Path, step: int, wait: float = 0.5) -> bool:
+    """Whether checkpoint `step` is gone, or goes within `wait` seconds (a deletion under
+    way: Orbax removes a step's files before its folder)."""
+    path = ocp.path.step.build_step_path(directory, _STEP_NAME_FORMAT, step)
+    deadline = time.monotonic() + wait
+    while path.exists():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def _read_params(ckpts: Checkpoints, step: int) -> PyTree:
-    """The float32 host parameters of one step, or `_Unreadable`."""
+    """The float32 host parameters of one step; `_Deleted` where it went while being read,
+    `_Unreadable` where it is damaged."""
     try:
         params = ckpts.restore_params(step)
-    except Exception as e:  # noqa: BLE001 - any read failure means "damaged"
+    except Exception as e:  # noqa: BLE001 - any read failure means "damaged"...
+        if _deleted(ckpts.directory, step):  # ...unless the checkpoint is not there any more
+            raise _Deleted(step, ckpts.directory) from None
         raise _Unreadable(step, ckpts.directory, e) from None
     return jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+
+
+_T = TypeVar("_T")
+_CHOICES = 3  # times a choice of checkpoints is made before a deletion is an error
+
+
+def _chosen_again_where_deleted(read: Callable[[], _T], log: Callable[[str], None]) -> _T:
+    """`read()`, which chooses checkpoints and reads them; made again where one of them was
+    deleted as it was read, so that the choice is of the checkpoints there now (evaluating
+    a run as it trains: its next save deletes the oldest it keeps, or a former best)."""
+    for choice in range(1, _CHOICES + 1):
+        try:
+            return read()
+        except _Deleted as e:
+            if choice == _CHOICES:
+                raise CheckpointError(
+                    f"{e}, {_CHOICES} times in a row; evaluate once that run has stopped"
+                ) from None
+            log(f"{e}; choosing again from the checkpoints there now")
+    raise AssertionError("unreachable")
 
 
 def restore_params(
@@ -1072,6 +1121,14 @@ def restore_chosen(
     Raises:
       CheckpointError: no such checkpoint, or it cannot be read.
     """
+    return _chosen_again_where_deleted(lambda: _restore_chosen_once(workdir, which, log), log)
+
+
+def _restore_chosen_once(
+    workdir: str | os.PathLike, which: str | int, log: Callable[[str], None]
+) -> Chosen:
+    """`restore_chosen` from one listing of the checkpoints; `_Deleted` where the chosen
+    one went while it was read."""
     with Checkpoints(workdir, read_only=True, log=log) as ckpts:
         steps = ckpts.steps()
         if not steps:
@@ -1147,6 +1204,14 @@ def restore_last(
     """
     if k < 1:
         raise ValueError(f"k, the number of checkpoints to read, must be at least 1; got {k!r}")
+    return _chosen_again_where_deleted(lambda: _restore_last_once(workdir, k, log), log)
+
+
+def _restore_last_once(
+    workdir: str | os.PathLike, k: int, log: Callable[[str], None]
+) -> tuple[list[PyTree], list[int]]:
+    """`restore_last` from one listing of the checkpoints; `_Deleted` where one of the
+    last `k` went while it was read."""
     # One manager lists the steps once and reads all k of them.
     with Checkpoints(workdir, read_only=True, log=log) as ckpts:
         steps = ckpts.steps()
