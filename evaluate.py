@@ -15,6 +15,9 @@ Translate standard input (or --input FILE), one line out for each line in::
 
     echo "A man rides a bike." | python evaluate.py --workdir runs/base --translate
 
+At a terminal (stdin not redirected), --translate translates each line as it is
+typed, until Ctrl-D.
+
 Cross-attention heatmaps of the first N sentences (one PNG per decoder layer)::
 
     python evaluate.py --workdir runs/base --split val --plot-attention 3 --plot-dir plots
@@ -546,6 +549,63 @@ def _recorded_interrupts():
         signal.signal(signal.SIGINT, previous)
 
 
+def _search_name(args: argparse.Namespace) -> str:
+    return "greedy" if args.greedy else f"beam {args.beam}, alpha {args.alpha}"
+
+
+def _search(
+    run: Run, src_ids: list[list[int]], args: argparse.Namespace, *, progress: bool
+) -> list[list[int]]:
+    """The output ids of source ids (`encode_sources`), by the search the flags choose."""
+    tok = run.tokenizer
+    return translate_ids(
+        run.model,
+        run.params,
+        src_ids,
+        bos_id=tok.bos_id,
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
+        greedy=args.greedy,
+        beam_size=args.beam,
+        alpha=args.alpha,
+        max_extra_len=args.max_extra_len,
+        max_tokens=args.max_tokens,
+        progress=progress,
+    )
+
+
+def _typed(args: argparse.Namespace) -> bool:
+    """--translate of lines typed at a terminal, to stdout: each is translated as it comes
+    (read to its end first, they came out only after Ctrl-D)."""
+    return (
+        args.translate
+        and not (args.input or args.output or args.plot_attention)
+        and sys.stdin.isatty()
+    )
+
+
+def translate_typed_lines(args: argparse.Namespace, run: Run, interrupted: _Interrupts) -> int:
+    """Translates each line of standard input (a terminal) as it is entered, to stdout,
+    until its end (Ctrl-D). A line that is no UTF-8 text gets its error and no output."""
+    print(
+        f"{args.workdir}: {run.checkpoint}; {_search_name(args)}; translating each line "
+        "typed, until Ctrl-D",
+        file=sys.stderr,
+    )
+    for number, raw in enumerate(sys.stdin.buffer, 1):
+        try:
+            sources = decode_lines(raw, "standard input", first_line=number)
+        except DataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        src_ids = encode_sources(run.tokenizer, sources)
+        _warn_of_long_sources(src_ids, run.model.config.max_len)
+        hyp_ids = _search(run, src_ids, args, progress=False)
+        interrupted.check()
+        print(detokenize(run.tokenizer, hyp_ids)[0], flush=True)
+    return 0
+
+
 def _evaluate(
     args: argparse.Namespace, load: Callable[[argparse.Namespace], Run], interrupted: _Interrupts
 ) -> int:
@@ -557,36 +617,24 @@ def _evaluate(
         _check_output_places(args)
         if args.plot_curve:
             return plot_curve(args.workdir, args.plot_curve)
+        if _typed(args):
+            return translate_typed_lines(args, load(args), interrupted)
         # The inputs first: a wrong file is found before the checkpoints are read.
         sources, references, name = load_sources_and_references(args, args.workdir)
         run = load(args)
         # Where the translations go to stdout, the scores go to stderr, out of their way.
         to_stdout = args.translate or _to_stdout(args.output)
         log = print if not to_stdout else lambda *a: print(*a, file=sys.stderr)
-        search = "greedy" if args.greedy else f"beam {args.beam}, alpha {args.alpha}"
         print(
-            f"{args.workdir}: {run.checkpoint}; {name}: {len(sources)} sentences; {search}",
+            f"{args.workdir}: {run.checkpoint}; {name}: {len(sources)} sentences; "
+            f"{_search_name(args)}",
             file=sys.stderr,
         )
-        tok = run.tokenizer
         start = time.perf_counter()
-        src_ids = encode_sources(tok, sources)
+        src_ids = encode_sources(run.tokenizer, sources)
         _warn_of_long_sources(src_ids, run.model.config.max_len)
-        hyp_ids = translate_ids(
-            run.model,
-            run.params,
-            src_ids,
-            bos_id=tok.bos_id,
-            eos_id=tok.eos_id,
-            pad_id=tok.pad_id,
-            greedy=args.greedy,
-            beam_size=args.beam,
-            alpha=args.alpha,
-            max_extra_len=args.max_extra_len,
-            max_tokens=args.max_tokens,
-            progress=not args.no_progress,
-        )
-        hypotheses = detokenize(tok, hyp_ids)
+        hyp_ids = _search(run, src_ids, args, progress=not args.no_progress)
+        hypotheses = detokenize(run.tokenizer, hyp_ids)
         interrupted.check()  # a Ctrl-C that JAX's garbage-collection callback swallowed
         print(f"decoded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
         if _output_file(args):

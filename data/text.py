@@ -115,12 +115,14 @@ def read_lines(path: str | os.PathLike) -> list[str]:
     return decode_lines(raw, str(path))
 
 
-def decode_lines(raw: bytes, name: str) -> list[str]:
+def decode_lines(raw: bytes, name: str, first_line: int = 1) -> list[str]:
     """The lines of UTF-8 bytes, as :func:`read_lines` splits them.
 
     Args:
       raw: the bytes of a file or of standard input.
       name: what to call them in an error (a path, "standard input").
+      first_line: the number of their first line in `name`, for an error (where they
+        are one line of several read one at a time).
 
     Returns:
       The lines, without line terminators.
@@ -139,7 +141,7 @@ def decode_lines(raw: bytes, name: str) -> list[str]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
+        line = raw.count(b"\n", 0, e.start) + first_line
         raise DataError(
             f"{name}, line {line}: invalid UTF-8 ({e.reason} at byte {e.start}); "
             "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)"

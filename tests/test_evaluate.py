@@ -1,15 +1,19 @@
 """evaluate.py end to end on a tiny workdir: sacreBLEU agreement, --translate, plots, errors."""
 
 import argparse
+import io
 import json
 import os
+import pty
 import re
 import resource
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -59,6 +63,11 @@ def _run(argv, capsys) -> tuple[int, str, str]:
     code = evaluate.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def _piped_stdin(raw: bytes) -> types.SimpleNamespace:
+    """sys.stdin as a pipe makes it: these bytes, and no terminal."""
+    return types.SimpleNamespace(buffer=io.BytesIO(raw), isatty=lambda: False)
 
 
 def _score_text(out: str, name: str) -> str:
@@ -207,12 +216,50 @@ def test_translate_keeps_one_line_per_line(workdir, tmp_path, capsys, monkeypatc
     assert translations[-1] == "" and len(translations) - 1 == len(lines)
     assert [t == "" for t in translations[:-1]] == [False, True, False, True, True]
 
-    class Stdin:  # stdin as bytes, like a pipe
-        buffer = __import__("io").BytesIO(source.read_bytes())
-
-    monkeypatch.setattr(sys, "stdin", Stdin)
+    monkeypatch.setattr(sys, "stdin", _piped_stdin(source.read_bytes()))
     code, stdin_out, _ = _run(args, capsys)
     assert code == 0 and stdin_out == out
+
+
+def test_translate_at_a_terminal_answers_each_line_as_it_is_typed(
+    workdir, tmp_path, capsys, repo_root
+):
+    # Read to its end first, typed lines were translated only after Ctrl-D.
+    lines = ["A man rides a bike.", "Two dogs play in the snow."]
+    source = tmp_path / "in.en"
+    source.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    args = ["--workdir", workdir, "--translate", "--checkpoint", "300", *FAST]
+    code, expected, err = _run([*args, "--input", source], capsys)
+    assert code == 0, err
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as a user's
+    terminal, child_side = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "evaluate.py", *map(str, args)], cwd=repo_root, env=env,
+        stdin=child_side, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    os.close(child_side)
+    try:
+        answers = []
+        # Latin-1 between the two: its error, and the next line is still read.
+        for typed, line in zip([b"", b"caf\xe9\n"], lines, strict=True):
+            os.write(terminal, typed + line.encode() + b"\n")
+            readable = select.select([process.stdout], [], [], 120)[0]
+            assert readable, f"no translation of {line!r} within 120 s"
+            answers.append(process.stdout.readline().decode())
+            assert process.poll() is None  # answered while the terminal is still open
+        os.write(terminal, b"\x04")  # Ctrl-D at the start of a line: the input's end
+        assert process.wait(timeout=60) == 0, process.stderr.read().decode()
+    finally:
+        if process.poll() is None:
+            process.kill()
+        os.close(terminal)
+    assert "".join(answers) == expected and process.stdout.read() == b""
+    err = process.stderr.read().decode()
+    assert "; translating each line typed, until Ctrl-D" in err
+    assert (
+        "\nerror: standard input, line 2: invalid UTF-8 (invalid continuation byte at byte 3)"
+        in err
+    )
 
 
 def test_average_last_and_src_file(workdir, tmp_path, capsys):
@@ -1134,10 +1181,7 @@ def test_the_readmes_workdir_example_runs_on_a_trained_workdir(workdir, capsys):
 
 
 def test_standard_input_gets_the_checks_of_a_file(workdir, capsys, monkeypatch):
-    class Stdin:
-        buffer = __import__("io").BytesIO("A dog.\nA cat.\n".encode("utf-16"))
-
-    monkeypatch.setattr(sys, "stdin", Stdin)
+    monkeypatch.setattr(sys, "stdin", _piped_stdin("A dog.\nA cat.\n".encode("utf-16")))
     code, out, err = _run(["--workdir", workdir, "--translate", *FAST], capsys)
     assert code == 2 and out == "" and "standard input is UTF-16" in err
 
