@@ -268,7 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     o = p.add_argument_group("output and multi-host")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar (for log files)")
+    o.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="a line every --log-every steps, not a progress bar (the default where stderr "
+        "is not a terminal: a log file)",
+    )
     cache = o.add_mutually_exclusive_group()
     cache.add_argument(
         "--compilation-cache",
@@ -1071,6 +1076,12 @@ def check_stop_before_training(stop: StopRequest) -> None:
         )
 
 
+def _is_a_terminal(stream) -> bool:
+    """Where a progress bar can be drawn: redirected to a file (`> train.log 2>&1`), its
+    redrawing filled the log with one long line, and the step lines were not printed."""
+    return stream is not None and stream.isatty()
+
+
 def run(args: argparse.Namespace) -> int:
     """Trains as the flags say; returns the exit status."""
     from tqdm.auto import tqdm
@@ -1205,7 +1216,7 @@ def _run_locked(
             stop,
             training,
             main_process=main_process,
-            progress=not args.no_progress,
+            progress=not args.no_progress and _is_a_terminal(sys.stderr),
         )
     if result is None:
         return 0

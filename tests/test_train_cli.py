@@ -190,13 +190,37 @@ def test_a_failed_checkpoint_write_ends_the_process_with_one_line(slice_dir, tmp
     assert done.stderr.count("\n") == 1, done.stderr
 
 
+def _without(flags: list[str], flag: str) -> list[str]:
+    return [f for f in flags if f != flag]
+
+
 def test_without_a_progress_bar_each_log_step_prints_its_loss(slice_dir, tmp_path, capsys):
-    assert train.main(_flags(slice_dir, tmp_path / "run", "--steps", "8")) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    # --no-progress, and by default where stderr is not a terminal (here pytest's capture):
+    # a log file got the bar's redrawing and no step lines.
+    flags = _without(_flags(slice_dir, tmp_path / "run", "--steps", "8"), "--no-progress")
+    assert train.main(flags) == 0
+    out, err = capsys.readouterr()
+    assert "\r" not in err
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
     logged = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert [line.split(":")[0] for line in lines] == ["step 4/8", "step 8/8"]
     for line, record in zip(lines, logged, strict=True):
         assert f"loss {record['loss']:.3f}, lr {record['lr']:.2e}, " in line
+
+
+def test_at_a_terminal_the_progress_bar_shows_the_loss_unless_no_progress(
+    slice_dir, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # pytest's capture, as a terminal
+    monkeypatch.setattr(sys.stderr, "fileno", lambda: 2)  # for the hang-up handler
+    flags = _flags(slice_dir, tmp_path / "run", "--steps", "8")
+    assert train.main(_without(flags, "--no-progress")) == 0
+    out, err = capsys.readouterr()
+    assert "\r" in err and "loss=" in err and "8/8" in err
+    assert not [line for line in out.splitlines() if line.startswith("step ")]
+    assert train.main([*flags, "--steps", "12"]) == 0  # --no-progress: the lines
+    out, err = capsys.readouterr()
+    assert "step 12/12: loss " in out and "loss=" not in err
 
 
 def test_a_run_on_the_cpu_where_an_accelerator_was_expected_says_so(
