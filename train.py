@@ -1021,6 +1021,40 @@ def _detach_from_terminal(fds: list[int]) -> None:
         os.close(devnull)
 
 
+def request_stop(stop: StopRequest, training: threading.Event, signum: int) -> str:
+    """Sets `stop` (`signum` is kept where it is the first) and says what the run does."""
+    if stop.signum is None:
+        stop.signum = signum
+    stop.set()
+    if stop.compiling:
+        return "stopping the compiling; nothing new was trained, so nothing is saved"
+    if training.is_set():
+        # A second Ctrl-C ends the run at once: a save that hangs (a full disk, a dead
+        # network mount) cannot then keep it from ending.
+        return "saving a checkpoint, then stopping (a Ctrl-C now stops at once, maybe before it)"
+    return "before training starts, then stopping"
+
+
+def log_until_stdout_closes(write, stop: StopRequest, training: threading.Event):
+    """`write` (of a line to stdout), where stdout closing stops the run as a hang-up does.
+
+    Piped into a command that ended (`| head`, a `tee` that was killed), a log line raised
+    BrokenPipeError, and the run ended unsaved. Stdout now goes to /dev/null from there
+    on, and the run stops as for a signal (SIGPIPE: saving a checkpoint where it trains),
+    saying so on stderr."""
+
+    def log(line: str) -> None:
+        try:
+            write(line)
+        except BrokenPipeError:
+            with contextlib.suppress(OSError, ValueError):  # no descriptor: nothing to move
+                _detach_from_terminal([sys.stdout.fileno()])
+            what = request_stop(stop, training, getattr(signal, "SIGPIPE", signal.SIGTERM))
+            print(f"stdout was closed (a broken pipe): {what}", file=sys.stderr, flush=True)
+
+    return log
+
+
 def install_stop_handlers(stop: StopRequest, log, training: threading.Event) -> dict[int, Any]:
     """SIGINT, SIGTERM and SIGHUP set `stop`: once `training` is set the loop then saves
     and exits; before it, `check_stop_before_training` ends the run. A second SIGINT
@@ -1034,20 +1068,7 @@ def install_stop_handlers(stop: StopRequest, log, training: threading.Event) -> 
             raise KeyboardInterrupt
         if signum == getattr(signal, "SIGHUP", None):
             _detach_from_terminal(terminal_fds)
-        if stop.signum is None:
-            stop.signum = signum
-        stop.set()
-        if stop.compiling:
-            what = "stopping the compiling; nothing new was trained, so nothing is saved"
-        elif training.is_set():
-            # A second Ctrl-C ends the run at once: a save that hangs (a full disk, a dead
-            # network mount) cannot then keep it from ending.
-            what = (
-                "saving a checkpoint, then stopping (a Ctrl-C now stops at once, maybe before it)"
-            )
-        else:
-            what = "before training starts, then stopping"
-        log(f"{signal.Signals(signum).name}: {what}")
+        log(f"{signal.Signals(signum).name}: {request_stop(stop, training, signum)}")
 
     previous = {}
     for sig in STOP_SIGNALS:
@@ -1086,10 +1107,10 @@ def run(args: argparse.Namespace) -> int:
     """Trains as the flags say; returns the exit status."""
     from tqdm.auto import tqdm
 
-    log = tqdm.write
     # From here a stop request is seen: before training it ends the run at the next
     # check, in training the loop saves a checkpoint and exits.
     stop, training = StopRequest(), threading.Event()
+    log = log_until_stdout_closes(tqdm.write, stop, training)
     previous_handlers = install_stop_handlers(stop, log, training)
     try:
         return _run(args, log, stop, training)

@@ -1295,6 +1295,38 @@ def test_the_log_reaches_a_file_or_a_pipe_while_training(slice_dir, tmp_path):
     assert b"\nstep 4/100000: loss " in out and out.startswith(b"data: ")
 
 
+def test_a_closed_stdout_saves_a_checkpoint_and_exits_0(slice_dir, tmp_path):
+    # `python train.py | head`, or a `| tee log` that was killed: the next log line raised
+    # BrokenPipeError, and the run ended with status 1 and nothing saved since the last
+    # checkpoint.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    args = _flags(slice_dir, tmp_path, "--steps", "100000", "--checkpoint-every", "1000")
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        for line in process.stdout:  # as `head` reads, up to the step 8 line
+            if line.startswith(b"step 8/100000: "):
+                break
+        process.stdout.close()  # the reader is gone
+        assert process.wait(timeout=120) == 0, process.stderr.read().decode()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert (
+        process.stderr.read()
+        .decode()
+        .endswith(
+            "stdout was closed (a broken pipe): saving a checkpoint, then stopping (a Ctrl-C now "
+            "stops at once, maybe before it)\n"
+        )
+    )
+    last = checkpoint_steps(tmp_path)[-1]  # none was due before step 1000
+    assert last >= 12 and restore_params(tmp_path, "last")[1] == last
+
+
 def test_a_hung_up_terminal_saves_a_checkpoint_and_exits_0(slice_dir, tmp_path):
     # A closed terminal or a dropped SSH session: SIGHUP ended the run unsaved, and after
     # the hang-up every write to the terminal fails with EIO.
