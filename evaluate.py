@@ -651,6 +651,17 @@ def _evaluate(
     except (UsageError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `evaluate.py --translate ... | head`: the reader has ended
+        # What stdout still holds would fail again at exit: it goes to /dev/null instead.
+        with contextlib.suppress(OSError, ValueError):  # a stdout without a descriptor
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        print(
+            "error: the output's reader ended before it was all written (a broken pipe)",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGPIPE  # as the shell reports a command that SIGPIPE ended
     except OSError as e:
         print(f"error: {os_error_line(e)}", file=sys.stderr)
         return 2

@@ -891,6 +891,30 @@ def test_ctrl_c_while_the_libraries_load_ends_the_command_in_one_line(
     assert result.returncode == 130 and result.stderr == "interrupted\n", result.stderr
 
 
+def test_a_reader_that_ended_is_one_line_and_the_status_of_sigpipe(workdir, tmp_path, repo_root):
+    # `evaluate.py --translate ... | head -1`: it said "error: [Errno 32] Broken pipe", status
+    # 2, where a command that a closed pipe ends gives 141.
+    source = tmp_path / "in.en"
+    source.write_text("A man rides a bike.\nTwo dogs play.\n", encoding="utf-8")
+    argv = [sys.executable, "evaluate.py", "--workdir", workdir, "--translate", "--input"]
+    argv += [source, "--checkpoint", "300", *FAST]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as a user's
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has ended
+    try:
+        done = subprocess.run(
+            [str(a) for a in argv], cwd=repo_root, env=env, timeout=120,
+            stdout=write_end, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert done.returncode == 128 + signal.SIGPIPE, done.stderr
+    assert done.stderr.endswith(
+        "\nerror: the output's reader ended before it was all written (a broken pipe)\n"
+    )
+    assert "Exception ignored" not in done.stderr
+
+
 def test_cli_error_has_no_traceback(tmp_path, repo_root):
     result = subprocess.run(
         [sys.executable, "evaluate.py", "--workdir", str(tmp_path / "nope"), "--split", "val"],
