@@ -190,7 +190,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     plots.add_argument("--plot-dir", default=DEFAULT_PLOT_DIR, help="where to write the PNGs")
     plots.add_argument("--plot-heads", action="store_true", help="also a per-head grid per layer")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (none where stderr is not a terminal: a log file)",
+    )
     cache = p.add_mutually_exclusive_group()
     cache.add_argument(
         "--compilation-cache",
@@ -633,7 +637,9 @@ def _evaluate(
         start = time.perf_counter()
         src_ids = encode_sources(run.tokenizer, sources)
         _warn_of_long_sources(src_ids, run.model.config.max_len)
-        hyp_ids = _search(run, src_ids, args, progress=not args.no_progress)
+        # A bar redrawn into a log file (`2> eval.log`) is one long line of no use there.
+        bar = not args.no_progress and sys.stderr is not None and sys.stderr.isatty()
+        hyp_ids = _search(run, src_ids, args, progress=bar)
         hypotheses = detokenize(run.tokenizer, hyp_ids)
         interrupted.check()  # a Ctrl-C that JAX's garbage-collection callback swallowed
         print(f"decoded in {time.perf_counter() - start:.1f} s", file=sys.stderr)

@@ -262,6 +262,20 @@ def test_translate_at_a_terminal_answers_each_line_as_it_is_typed(
     )
 
 
+def test_the_progress_bar_is_drawn_at_a_terminal_only(workdir, tmp_path, capsys, monkeypatch):
+    source = tmp_path / "in.en"
+    source.write_text("A man rides a bike.\n", encoding="utf-8")
+    args = ["--workdir", workdir, "--translate", "--input", source, "--checkpoint", "300"]
+    args += ["--beam", "2", "--max-extra-len", "4"]  # FAST without its --no-progress
+    code, out, err = _run(args, capsys)  # stderr is pytest's capture: a log file, say
+    assert code == 0 and "decoding" not in err and "\r" not in err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, bar_out, err = _run(args, capsys)
+    assert code == 0 and "\rdecoding: 100%" in err and bar_out == out
+    code, _, err = _run([*args, "--no-progress"], capsys)
+    assert code == 0 and "decoding" not in err
+
+
 def test_average_last_and_src_file(workdir, tmp_path, capsys):
     src = tmp_path / "src.en"
     src.write_text("A man rides a bike.\nA woman sings.\n", encoding="utf-8")
