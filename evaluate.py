@@ -59,7 +59,7 @@ from sacrebleu.metrics import BLEU, CHRF
 from data import CorpusSpec, DataError, decode_lines, load_corpus, read_aligned_lines, read_lines
 from data.batching import inference_length
 from data.errors import os_error_line, out_of_memory_line
-from data.text import is_written_in_place, write_text_atomically
+from data.text import discard_writes, is_written_in_place, write_text_atomically
 from transformer.checkpoints import (
     CONFIG_FILE,
     CheckpointError,
@@ -660,9 +660,7 @@ def _evaluate(
     except BrokenPipeError:  # `evaluate.py --translate ... | head`: the reader has ended
         # What stdout still holds would fail again at exit: it goes to /dev/null instead.
         with contextlib.suppress(OSError, ValueError):  # a stdout without a descriptor
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
+            discard_writes([sys.stdout.fileno()])
         print(
             "error: the output's reader ended before it was all written (a broken pipe)",
             file=sys.stderr,

@@ -1009,18 +1009,6 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM) + (
 )
 
 
-def _detach_from_terminal(fds: list[int]) -> None:
-    """Points `fds` (stdout and stderr where they were the terminal) at /dev/null: writing to
-    a terminal that hung up fails (EIO), and a log line would then end the run before it
-    saves. (A hung-up terminal is no longer a tty to `isatty`, so `fds` are found before.)"""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        for fd in fds:
-            os.dup2(devnull, fd)
-    finally:
-        os.close(devnull)
-
-
 def request_stop(stop: StopRequest, training: threading.Event, signum: int) -> str:
     """Sets `stop` (`signum` is kept where it is the first) and says what the run does."""
     if stop.signum is None:
@@ -1047,8 +1035,10 @@ def log_until_stdout_closes(write, stop: StopRequest, training: threading.Event)
         try:
             write(line)
         except BrokenPipeError:
+            from data.text import discard_writes
+
             with contextlib.suppress(OSError, ValueError):  # no descriptor: nothing to move
-                _detach_from_terminal([sys.stdout.fileno()])
+                discard_writes([sys.stdout.fileno()])
             what = request_stop(stop, training, getattr(signal, "SIGPIPE", signal.SIGTERM))
             print(f"stdout was closed (a broken pipe): {what}", file=sys.stderr, flush=True)
 
@@ -1059,15 +1049,19 @@ def install_stop_handlers(stop: StopRequest, log, training: threading.Event) -> 
     """SIGINT, SIGTERM and SIGHUP set `stop`: once `training` is set the loop then saves
     and exits; before it, `check_stop_before_training` ends the run. A second SIGINT
     aborts, except while `removed_if_stopped_before_training` takes back what the run
-    wrote. After a SIGHUP, output that went to the terminal is dropped."""
+    wrote. After a SIGHUP, output that went to the terminal is dropped: writing to a
+    terminal that hung up fails (EIO), and a log line would then end the run before it
+    saves."""
+    from data.text import discard_writes
 
+    # Found now: a hung-up terminal is no longer a tty to `isatty`.
     terminal_fds = [stream.fileno() for stream in (sys.stdout, sys.stderr) if stream.isatty()]
 
     def handler(signum, frame):
         if stop.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt
         if signum == getattr(signal, "SIGHUP", None):
-            _detach_from_terminal(terminal_fds)
+            discard_writes(terminal_fds)
         log(f"{signal.Signals(signum).name}: {request_stop(stop, training, signum)}")
 
     previous = {}

@@ -182,6 +182,18 @@ def names_an_open_file(path: str | os.PathLike) -> bool:
     return False  # a loop of links
 
 
+def discard_writes(fds: list[int]) -> None:
+    """Points the file descriptors `fds` at /dev/null: what is written to them from now on
+    goes nowhere, where writing to what they were would fail (a terminal that hung up, a
+    pipe whose reader ended)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in fds:
+            os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
 def is_written_in_place(path: str | os.PathLike) -> bool:
     """Whether `write_text_atomically` writes straight into `path`: something that is
     there and is not a regular file (a device, a pipe, or a link to one), or a name of
