@@ -78,6 +78,14 @@ def full_optimization():
     jax.config.update("jax_disable_most_optimizations", before)
 
 
+@pytest.fixture
+def users_environment() -> dict[str, str]:
+    """This process's environment without PYTHONUNBUFFERED, which the development machine
+    sets: a user's Python writes a redirected stdout in blocks, so a subprocess test of what
+    reaches a file or a pipe, and when, must run without it."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     """The repository checkout."""

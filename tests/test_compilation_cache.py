@@ -593,7 +593,7 @@ def test_with_nothing_compiling_what_main_raises_goes_on_to_python(monkeypatch):
         compilation_cache.exit_process(main)
 
 
-def test_exiting_at_once_keeps_what_was_printed(tmp_path):
+def test_exiting_at_once_keeps_what_was_printed(users_environment):
     # os._exit drops what Python still buffers: a pipe's stdout is written in blocks, and
     # stderr a line at a time, so a line without its end was lost.
     code = (
@@ -606,16 +606,15 @@ def test_exiting_at_once_keeps_what_was_printed(tmp_path):
         "    return 3\n"
         "exit_process(main)\n"
     )
-    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     done = subprocess.run(
         [sys.executable, "-c", code],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, env=buffered,
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env=users_environment,
     )  # fmt: skip
     assert done.returncode == 3, done.stderr
     assert done.stdout == "a line\n" and done.stderr.endswith("a line without its end")
 
 
-def test_a_command_writes_its_stdout_to_a_pipe_a_line_at_a_time():
+def test_a_command_writes_its_stdout_to_a_pipe_a_line_at_a_time(users_environment):
     # Written in 8 KiB blocks, `python train.py > train.log` showed no line of the log
     # until the run ended. This command prints a line, then waits for its stdin to close.
     code = (
@@ -626,9 +625,8 @@ def test_a_command_writes_its_stdout_to_a_pipe_a_line_at_a_time():
         "    return len(sys.stdin.read())\n"
         "exit_process(main)\n"
     )
-    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     process = subprocess.Popen(
-        [sys.executable, "-c", code], cwd=ROOT, env=buffered,
+        [sys.executable, "-c", code], cwd=ROOT, env=users_environment,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:

@@ -222,7 +222,7 @@ def test_translate_keeps_one_line_per_line(workdir, tmp_path, capsys, monkeypatc
 
 
 def test_translate_at_a_terminal_answers_each_line_as_it_is_typed(
-    workdir, tmp_path, capsys, repo_root
+    workdir, tmp_path, capsys, repo_root, users_environment
 ):
     # Read to its end first, typed lines were translated only after Ctrl-D.
     lines = ["A man rides a bike.", "Two dogs play in the snow."]
@@ -231,10 +231,9 @@ def test_translate_at_a_terminal_answers_each_line_as_it_is_typed(
     args = ["--workdir", workdir, "--translate", "--checkpoint", "300", *FAST]
     code, expected, err = _run([*args, "--input", source], capsys)
     assert code == 0, err
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as a user's
     terminal, child_side = pty.openpty()
     process = subprocess.Popen(
-        [sys.executable, "evaluate.py", *map(str, args)], cwd=repo_root, env=env,
+        [sys.executable, "evaluate.py", *map(str, args)], cwd=repo_root, env=users_environment,
         stdin=child_side, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     os.close(child_side)
@@ -905,19 +904,20 @@ def test_ctrl_c_while_the_libraries_load_ends_the_command_in_one_line(
     assert result.returncode == 130 and result.stderr == "interrupted\n", result.stderr
 
 
-def test_a_reader_that_ended_is_one_line_and_the_status_of_sigpipe(workdir, tmp_path, repo_root):
+def test_a_reader_that_ended_is_one_line_and_the_status_of_sigpipe(
+    workdir, tmp_path, repo_root, users_environment
+):
     # `evaluate.py --translate ... | head -1`: it said "error: [Errno 32] Broken pipe", status
     # 2, where a command that a closed pipe ends gives 141.
     source = tmp_path / "in.en"
     source.write_text("A man rides a bike.\nTwo dogs play.\n", encoding="utf-8")
     argv = [sys.executable, "evaluate.py", "--workdir", workdir, "--translate", "--input"]
     argv += [source, "--checkpoint", "300", *FAST]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as a user's
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader has ended
     try:
         done = subprocess.run(
-            [str(a) for a in argv], cwd=repo_root, env=env, timeout=120,
+            [str(a) for a in argv], cwd=repo_root, env=users_environment, timeout=120,
             stdout=write_end, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
     finally:

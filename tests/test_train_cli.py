@@ -1271,11 +1271,10 @@ HELD_AT_STEP_12 = (
 )
 
 
-def test_the_log_reaches_a_file_or_a_pipe_while_training(slice_dir, tmp_path):
+def test_the_log_reaches_a_file_or_a_pipe_while_training(slice_dir, tmp_path, users_environment):
     # `python train.py > train.log` or `| tee`: stdout was written in 8 KiB blocks, so
     # `tail -f` showed none of an hour's log until the run ended.
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env = {**users_environment, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     args = _flags(slice_dir, tmp_path, "--steps", "100000")
     process = subprocess.Popen(
         [sys.executable, "-c", HELD_AT_STEP_12, *args], env=env, cwd=ROOT,
@@ -1295,12 +1294,11 @@ def test_the_log_reaches_a_file_or_a_pipe_while_training(slice_dir, tmp_path):
     assert b"\nstep 4/100000: loss " in out and out.startswith(b"data: ")
 
 
-def test_a_closed_stdout_saves_a_checkpoint_and_exits_0(slice_dir, tmp_path):
+def test_a_closed_stdout_saves_a_checkpoint_and_exits_0(slice_dir, tmp_path, users_environment):
     # `python train.py | head`, or a `| tee log` that was killed: the next log line raised
     # BrokenPipeError, and the run ended with status 1 and nothing saved since the last
     # checkpoint.
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env = {**users_environment, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     args = _flags(slice_dir, tmp_path, "--steps", "100000", "--checkpoint-every", "1000")
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), *args], env=env,
