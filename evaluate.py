@@ -59,7 +59,12 @@ from sacrebleu.metrics import BLEU, CHRF
 from data import CorpusSpec, DataError, decode_lines, load_corpus, read_aligned_lines, read_lines
 from data.batching import inference_length
 from data.errors import os_error_line, out_of_memory_line
-from data.text import discard_writes, is_written_in_place, write_text_atomically
+from data.text import (
+    discard_writes,
+    is_a_terminal,
+    is_written_in_place,
+    write_text_atomically,
+)
 from transformer.checkpoints import (
     CONFIG_FILE,
     CheckpointError,
@@ -637,8 +642,7 @@ def _evaluate(
         start = time.perf_counter()
         src_ids = encode_sources(run.tokenizer, sources)
         _warn_of_long_sources(src_ids, run.model.config.max_len)
-        # A bar redrawn into a log file (`2> eval.log`) is one long line of no use there.
-        bar = not args.no_progress and sys.stderr is not None and sys.stderr.isatty()
+        bar = not args.no_progress and is_a_terminal(sys.stderr)  # none into `2> eval.log`
         hyp_ids = _search(run, src_ids, args, progress=bar)
         hypotheses = detokenize(run.tokenizer, hyp_ids)
         interrupted.check()  # a Ctrl-C that JAX's garbage-collection callback swallowed

@@ -1091,12 +1091,6 @@ def check_stop_before_training(stop: StopRequest) -> None:
         )
 
 
-def _is_a_terminal(stream) -> bool:
-    """Where a progress bar can be drawn: redirected to a file (`> train.log 2>&1`), its
-    redrawing filled the log with one long line, and the step lines were not printed."""
-    return stream is not None and stream.isatty()
-
-
 def run(args: argparse.Namespace) -> int:
     """Trains as the flags say; returns the exit status."""
     from tqdm.auto import tqdm
@@ -1199,6 +1193,7 @@ def _run_locked(
     training: threading.Event,
 ) -> int:
     """`_run`'s work while it holds the workdir's lock."""
+    from data.text import is_a_terminal
 
     workdir, saved = settings.workdir, settings.saved
     moved_aside = forget_unchecked_tokenizer(workdir, saved, settings.data, log, main_process)
@@ -1231,7 +1226,9 @@ def _run_locked(
             stop,
             training,
             main_process=main_process,
-            progress=not args.no_progress and _is_a_terminal(sys.stderr),
+            # Redirected (`> train.log 2>&1`), the bar's redrawing filled the log with
+            # one long line, and the step lines were not printed.
+            progress=not args.no_progress and is_a_terminal(sys.stderr),
         )
     if result is None:
         return 0

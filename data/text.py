@@ -182,6 +182,12 @@ def names_an_open_file(path: str | os.PathLike) -> bool:
     return False  # a loop of links
 
 
+def is_a_terminal(stream) -> bool:
+    """Whether `stream` (sys.stderr, say) is a terminal: where a progress bar can be
+    redrawn; into a log file each redraw only lengthens one long line."""
+    return stream is not None and stream.isatty()
+
+
 def discard_writes(fds: list[int]) -> None:
     """Points the file descriptors `fds` at /dev/null: what is written to them from now on
     goes nowhere, where writing to what they were would fail (a terminal that hung up, a
