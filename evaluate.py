@@ -71,6 +71,7 @@ from transformer.checkpoints import (
     is_run_file,
     load_run_config,
     silence_orbax_logs,
+    training_there,
 )
 from transformer.compilation_cache import (
     EMPTY_CACHE_FLAG,
@@ -407,15 +408,17 @@ def plot_curve(workdir: str, path: str) -> int:
     except ValueError as e:
         raise UsageError(f"--plot-curve {e}") from None
     _check_can_create("--plot-curve", path, png.parent)
+    # A run setting up or before its first logged step has nothing to draw yet.
+    wait = training_there(workdir, "draw the curve once it has logged its first steps")
     if not any((Path(workdir) / name).is_file() for name in (CONFIG_FILE, METRICS_FILE)):
         raise UsageError(
-            f"{workdir} has no {CONFIG_FILE} or {METRICS_FILE}; is it a workdir written by "
-            "train.py?"
+            f"{workdir} has no {CONFIG_FILE} or {METRICS_FILE}"
+            + (wait or "; is it a workdir written by train.py?")
         )
     try:
         visualize.plot_training_curve(read_metrics(workdir), png)
     except ValueError as e:
-        raise UsageError(f"{workdir}: {e}") from None
+        raise UsageError(f"{workdir}: {e}{wait}") from None
     print(f"wrote {png}", file=sys.stderr)
     return 0
 

@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -1280,3 +1281,26 @@ def test_a_run_file_is_known_through_a_link_to_it_or_to_its_workdir(tmp_path):
     assert checkpoints.is_run_file(tmp_path / "run_link", workdir / "checkpoints" / "2")
     assert checkpoints.is_run_file(workdir, tmp_path / "config_link.json")
     assert not checkpoints.is_run_file(workdir, tmp_path / "run_link" / "translations.txt")
+
+
+def test_a_run_under_way_is_known_by_the_live_process_its_lock_names(tmp_path, monkeypatch):
+    lock = tmp_path / checkpoints.LOCK_FILE
+    assert checkpoints.training_process(tmp_path) is None  # no lock file
+    lock.write_text(f"{os.getpid()}\n")
+    assert checkpoints.training_process(tmp_path) == os.getpid()
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    # A killed run's file, a damaged one, and ids that name no single process.
+    for text in (f"{ended.pid}\n", "", "12ab\n", "0\n", "-1\n", f"{2**70}\n"):
+        lock.write_text(text)
+        assert checkpoints.training_process(tmp_path) is None, text
+    lock.write_text("1\n")  # another user's process: os.kill may not signal it, but it is there
+
+    def not_permitted(pid, signal):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(checkpoints.os, "kill", not_permitted)
+    assert checkpoints.training_process(tmp_path) == 1
+    assert checkpoints.training_there(tmp_path, "wait") == (
+        f"; train.py (process 1) is training in {tmp_path}: wait"
+    )

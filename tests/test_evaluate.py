@@ -1032,6 +1032,66 @@ def test_output_onto_the_runs_own_files_is_refused_before_decoding(
     evaluate._check_output_places(evaluate.parse_args(beside))
 
 
+def _ended_process_id() -> int:
+    """The id of a process that has ended: a killed run's stale lock file holds one."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.parametrize("under_way", [True, False], ids=["training", "killed"])
+def test_a_run_that_has_saved_nothing_yet_is_waited_for_not_called_no_workdir(
+    under_way, workdir, tmp_path, capsys
+):
+    # A user starts train.py, then evaluate.py in another terminal, while the run sets up
+    # (its data and tokenizer: minutes at full size) or before its first checkpoint.
+    assert checkpoints.LOCK_FILE == train.LOCK_FILE
+    pid = os.getpid() if under_way else _ended_process_id()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / train.LOCK_FILE).write_text(f"{pid}\n")  # as train.py writes it
+    waiting = f"; train.py (process {pid}) is training in {run}: "
+    first = waiting + "evaluate once it has saved its first checkpoint"
+
+    def error(*flags: str | Path) -> str:
+        code, out, err = _run(["--workdir", run, *flags], capsys)
+        assert code == 2 and out == "" and err.count("\n") == 1, (code, out, err)
+        return err.removeprefix("error: ").rstrip("\n")
+
+    def expect(got: str, plain: str, while_training: str) -> None:
+        assert got == (while_training if under_way else plain), got
+
+    # Setting up: nothing but the lock.
+    curve = f"{run} has no config.json or metrics.jsonl"
+    expect(
+        error("--plot-curve", tmp_path / "c.png"),
+        curve + "; is it a workdir written by train.py?",
+        curve + waiting + "draw the curve once it has logged its first steps",
+    )
+    config = run / "config.json"
+    expect(
+        error("--split", "val"),
+        f"{config} is missing; is {run} a workdir written by train.py?",
+        f"{config} is not written yet" + first,
+    )
+    # Set up, no checkpoint yet.
+    for name in ("config.json", "tokenizer.model"):
+        shutil.copy(workdir / name, run / name)
+    missing = f"no checkpoints in {run} ({run / 'checkpoints'} is missing)"
+    expect(error("--split", "val"), missing, missing + first)
+    (run / "checkpoints").mkdir()
+    none = f"no checkpoints in {run / 'checkpoints'}"
+    expect(error("--split", "val"), none + "; train with train.py first", none + first)
+    # One checkpoint, and an average of two asked for.
+    shutil.copytree(workdir / "checkpoints" / "200", run / "checkpoints" / "200")
+    fewer = f"cannot average the last 2 checkpoints: {run} has 1 (200)"
+    expect(
+        error("--split", "val", "--average-last", "2"),
+        fewer,
+        fewer + waiting + "evaluate once it has saved 2, or average fewer",
+    )
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

@@ -48,14 +48,18 @@ import orbax.checkpoint as ocp
 from data.text import write_text_atomically
 
 CONFIG_FILE = "config.json"
+# What to wait for where a run under way has saved nothing yet (`training_there`).
+FIRST_CHECKPOINT = "evaluate once it has saved its first checkpoint"
 TOKENIZER_FILE = "tokenizer.model"
 CHECKPOINT_DIR = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
 BEST_METRIC = "val_bleu"
 INTERIM_METRIC = "interim"  # a checkpoint saved off the schedule, by a stop
-# What else train.py keeps in a workdir: its tokenized splits, the lock of a run under way,
-# and TensorBoard's event files (a prefix).
-RUN_ENTRIES = (CONFIG_FILE, TOKENIZER_FILE, CHECKPOINT_DIR, METRICS_FILE, "cache", "train.lock")
+# The lock of a run under way, which holds its process id (train.py's LOCK_FILE).
+LOCK_FILE = "train.lock"
+# What else train.py keeps in a workdir: its tokenized splits, that lock, and TensorBoard's
+# event files (a prefix).
+RUN_ENTRIES = (CONFIG_FILE, TOKENIZER_FILE, CHECKPOINT_DIR, METRICS_FILE, "cache", LOCK_FILE)
 EVENTS_PREFIX = "events.out.tfevents"
 # How a step's folder is named (`checkpoints/1000`): given to the manager, and used
 # by `update_meta` to find one step's folder.
@@ -260,6 +264,33 @@ def is_run_file(workdir: str | os.PathLike, path: str | os.PathLike) -> bool:
     return first in RUN_ENTRIES or first.startswith(EVENTS_PREFIX)
 
 
+def training_process(workdir: str | os.PathLike) -> int | None:
+    """The process id of a train.py that is training in `workdir` now (the one in its lock
+    file, where that process is alive), else None: no run under way, or one that was killed
+    and left its lock file behind."""
+    if os.name != "posix":  # no lock file there; and Windows' os.kill would end the process
+        return None
+    try:
+        pid = int((Path(workdir) / LOCK_FILE).read_text(encoding="utf-8").strip())
+        if pid <= 0:  # 0 and -1 would ask about a group of processes, or all of them
+            return None
+        os.kill(pid, 0)  # signal 0: only whether the process exists
+    except PermissionError:  # it does, under another user
+        return pid
+    except (OSError, ValueError, OverflowError):  # no file, not a pid, no such process
+        return None
+    return pid
+
+
+def training_there(workdir: str | os.PathLike, what: str) -> str:
+    """`what` to wait for, where a train.py is training in `workdir` now, as the end of an
+    error that found nothing to read there yet; else ''."""
+    pid = training_process(workdir)
+    if pid is None:
+        return ""
+    return f"; train.py (process {pid}) is training in {workdir}: {what}"
+
+
 def load_run_config(workdir: str | os.PathLike) -> dict[str, Any]:
     """Reads workdir/config.json.
 
@@ -280,6 +311,10 @@ def load_run_config(workdir: str | os.PathLike) -> dict[str, Any]:
             f"workdir {workdir} does not exist; train into it with train.py first"
         )
     if not path.is_file():
+        if training_process(workdir) is not None:  # setting up: data, tokenizer
+            raise CheckpointError(
+                f"{path} is not written yet{training_there(workdir, FIRST_CHECKPOINT)}"
+            )
         raise CheckpointError(f"{path} is missing; is {workdir} a workdir written by train.py?")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
@@ -527,6 +562,7 @@ class Checkpoints:
         if read_only and not self.directory.is_dir():
             raise CheckpointError(
                 f"no checkpoints in {Path(workdir)} ({self.directory} is missing)"
+                + training_there(workdir, FIRST_CHECKPOINT)
             )
         _check_metrics_files(workdir, self.directory)
         # Registering the handlers up front lets `item_metadata` read shapes before any restore.
@@ -1132,7 +1168,10 @@ def _restore_chosen_once(
     with Checkpoints(workdir, read_only=True, log=log) as ckpts:
         steps = ckpts.steps()
         if not steps:
-            raise CheckpointError(f"no checkpoints in {ckpts.directory}; train with train.py first")
+            raise CheckpointError(
+                f"no checkpoints in {ckpts.directory}"
+                + (training_there(workdir, FIRST_CHECKPOINT) or "; train with train.py first")
+            )
         ranked = ckpts.ranked_steps() if which == "best" else []
         if which == "best":
             # A damaged best checkpoint falls back to the next best readable one, and
@@ -1219,6 +1258,7 @@ def _restore_last_once(
             raise CheckpointError(
                 f"cannot average the last {k} checkpoints: {workdir} has "
                 f"{len(steps)} ({', '.join(map(str, steps)) or 'none'})"
+                + training_there(workdir, f"evaluate once it has saved {k}, or average fewer")
             )
         try:
             keep = kept_last(load_run_config(workdir))
