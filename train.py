@@ -1194,6 +1194,7 @@ def _run_locked(
 ) -> int:
     """`_run`'s work while it holds the workdir's lock."""
     from data.text import is_a_terminal
+    from transformer.checkpoints import check_run_tokenizer, checkpoint_steps
 
     workdir, saved = settings.workdir, settings.saved
     moved_aside = forget_unchecked_tokenizer(workdir, saved, settings.data, log, main_process)
@@ -1213,6 +1214,8 @@ def _run_locked(
         model_cfg = model_config(args, saved, loaded.tokenizer.vocab_size, loaded.tokenizer.pad_id)
         if saved is not None:
             check_resume_matches(workdir, saved, "model", model_cfg.to_dict(), args.preset)
+            if checkpoint_steps(workdir):  # their ids are of the tokenizer the run recorded
+                check_run_tokenizer(workdir, saved, loaded.tokenizer.fingerprint)
         for line in loaded.summary:
             log(line)
         train_cfg = settings.train
@@ -1276,7 +1279,7 @@ def train_loaded(
 
     import data
     from data import prefetch
-    from transformer.checkpoints import record_environment, save_run_config
+    from transformer.checkpoints import record_environment, save_run_config, tokenizer_section
     from transformer.training import Trainer, with_data_state
 
     workdir, train_cfg = settings.workdir, settings.train
@@ -1308,6 +1311,7 @@ def train_loaded(
                 "model": model_cfg.to_dict(),
                 "data": settings.data,
                 "train": train_cfg.to_dict(),
+                "tokenizer": tokenizer_section(loaded.tokenizer.fingerprint),
             }
             save_run_config(workdir, {**(settings.saved or {}), **sections})  # keeps "environments"
             # The tokenized splits of data or a tokenizer this run no longer has (edited

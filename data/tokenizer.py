@@ -59,7 +59,7 @@ class Tokenizer:
         if not model_bytes:  # SentencePiece takes it as a model with no pieces at all
             raise DataError(
                 f"tokenizer {path or '(model bytes)'} is empty, not a SentencePiece model; "
-                "delete it to retrain"
+                "delete it to train it again (train.py does, from the run's data)"
             )
         self._sp = spm.SentencePieceProcessor(model_proto=model_bytes)
         self.fingerprint = hashlib.sha256(model_bytes).hexdigest()
@@ -103,7 +103,8 @@ class Tokenizer:
         # UnicodeDecodeError (a piece that is not UTF-8) or protobuf's DecodeError.
         except Exception as e:
             raise DataError(
-                f"{path} is not a SentencePiece model ({e}); delete it to retrain"
+                f"{path} is not a SentencePiece model ({e}); delete it to train it again "
+                "(train.py does, from the run's data)"
             ) from None
 
     def encode(self, text: str) -> list[int]:

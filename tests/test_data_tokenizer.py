@@ -207,7 +207,7 @@ def test_bad_settings_and_files_are_one_line_errors(small_corpus, tmp_path):
         data.Tokenizer.load(tmp_path / "empty.model")
     assert str(e.value) == (
         f"tokenizer {tmp_path / 'empty.model'} is empty, not a SentencePiece model; "
-        "delete it to retrain"
+        "delete it to train it again (train.py does, from the run's data)"
     )
 
 

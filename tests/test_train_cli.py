@@ -9,6 +9,7 @@ train step (same tiny model, same recipe, one batch shape); the SIGTERM,
 import argparse
 import dataclasses
 import errno
+import hashlib
 import json
 import math
 import os
@@ -682,6 +683,48 @@ def test_a_run_config_whose_model_disagrees_with_its_tokenizer_is_one_line(
     err = capsys.readouterr().err
     assert err.startswith(f"error: {run} holds a run with other model settings ({difference}")
     assert err.count("\n") == 1 and checkpoint_steps(run) == [8, 12, 16]
+
+
+def test_a_tokenizer_other_than_the_runs_is_refused_where_its_vocabulary_size_agrees(
+    straight_run, multi30k_dir, tmp_path, capsys
+):
+    # Another run's tokenizer.model copied in, or one trained again by another SentencePiece
+    # version: the same number of pieces, other ids. Training and evaluate.py went on with it
+    # and no error, every id of the checkpoints now another piece.
+    import data
+    import evaluate
+
+    run = tmp_path / "run"
+    shutil.copytree(straight_run, run)
+    own = (run / "tokenizer.model").read_bytes()
+    assert load_run_config(run)["tokenizer"] == {"sha256": hashlib.sha256(own).hexdigest()}
+    other_lines = (multi30k_dir / "train.de").read_text().splitlines()[-300:]
+    other = data.train_tokenizer(other_lines, tmp_path / "other.model", vocab_size=400)
+    assert other.vocab_size == 400 and other.fingerprint != hashlib.sha256(own).hexdigest()
+    shutil.copy(other.path, run / "tokenizer.model")
+    refused = (
+        f"error: {run / 'tokenizer.model'} is not the tokenizer this run trained with (SHA-256 "
+        f"{other.fingerprint[:12]}..., where config.json records "
+        f"{hashlib.sha256(own).hexdigest()[:12]}...): its ids would be other pieces to the "
+        "checkpoints; put back the run's own tokenizer.model, or train into a new --workdir\n"
+    )
+    capsys.readouterr()
+    assert train.main(["--workdir", str(run), "--steps", "20", "--no-progress"]) == 2
+    assert capsys.readouterr().err == refused
+    assert checkpoint_steps(run) == [8, 12, 16]
+    assert evaluate.main(["--workdir", str(run), "--split", "val", "--no-progress"]) == 2
+    assert capsys.readouterr().err.endswith(refused)
+    # Deleted, as a damaged one's error advises, it is trained again the same from the
+    # run's data, and the run goes on.
+    (run / "tokenizer.model").unlink()
+    assert train.main(["--workdir", str(run), "--steps", "20", "--no-progress"]) == 0
+    assert (run / "tokenizer.model").read_bytes() == own and checkpoint_steps(run)[-1] == 20
+    # A run from before the record is not refused, and its resume records its tokenizer.
+    config = load_run_config(run)
+    del config["tokenizer"]
+    save_run_config(run, config)
+    assert train.main(["--workdir", str(run), "--steps", "24", "--no-progress"]) == 0
+    assert load_run_config(run)["tokenizer"] == {"sha256": hashlib.sha256(own).hexdigest()}
 
 
 def test_damaged_latest_checkpoint_is_reported_and_the_one_before_used(

@@ -291,6 +291,29 @@ def training_there(workdir: str | os.PathLike, what: str) -> str:
     return f"; train.py (process {pid}) is training in {workdir}: {what}"
 
 
+def tokenizer_section(fingerprint: str) -> dict[str, str]:
+    """config.json's record of the run's tokenizer: the SHA-256 of its model file
+    (`data.Tokenizer.fingerprint`), which its checkpoints' token ids are of."""
+    return {"sha256": fingerprint}
+
+
+def check_run_tokenizer(workdir: str | os.PathLike, config: dict[str, Any], fingerprint: str):
+    """A CheckpointError where the workdir's tokenizer (SHA-256 `fingerprint`) is not the one
+    its config.json records: one of the same size but other pieces (another run's, or one
+    trained again by another SentencePiece version) would give every id another meaning to
+    the checkpoints, and training or translating would go on with no error. A config from
+    before the record is not checked."""
+    recorded = (config.get("tokenizer") or {}).get("sha256")
+    if recorded is None or recorded == fingerprint:
+        return
+    raise CheckpointError(
+        f"{Path(workdir) / TOKENIZER_FILE} is not the tokenizer this run trained with "
+        f"(SHA-256 {fingerprint[:12]}..., where {CONFIG_FILE} records {recorded[:12]}...): "
+        "its ids would be other pieces to the checkpoints; put back the run's own "
+        "tokenizer.model, or train into a new --workdir"
+    )
+
+
 def load_run_config(workdir: str | os.PathLike) -> dict[str, Any]:
     """Reads workdir/config.json.
 

@@ -417,7 +417,8 @@ def load_model(workdir: str | os.PathLike) -> tuple[Transformer, Tokenizer, dict
       SentencePiece model, and its config.json as a dict.
 
     Raises:
-      checkpoints.CheckpointError: missing workdir or config.
+      checkpoints.CheckpointError: missing workdir or config, or a tokenizer other than
+        the one config.json records.
       data.DataError: missing or mismatched tokenizer.
     """
     config = checkpoints.load_run_config(workdir)
@@ -437,6 +438,7 @@ def load_model(workdir: str | os.PathLike) -> tuple[Transformer, Tokenizer, dict
             f"{config_file} has {model_config.vocab_size}: restore the tokenizer and config "
             "its run wrote"
         )
+    checkpoints.check_run_tokenizer(workdir, config, tokenizer.fingerprint)
     return Transformer(model_config), tokenizer, config
 
 
