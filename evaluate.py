@@ -34,6 +34,7 @@ import contextlib
 import errno
 import os
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -438,6 +439,15 @@ def _check_can_create(flag: str, name: str, directory: Path) -> None:
         raise UsageError(f"{flag} {name}: cannot write there ({e.strerror})") from None
 
 
+def _is_standard_input(path: Path) -> bool:
+    """Whether `path` is the regular file that standard input was redirected from."""
+    try:
+        stdin = os.fstat(sys.stdin.fileno())
+        return stat.S_ISREG(stdin.st_mode) and os.path.samestat(stdin, os.stat(path))
+    except (OSError, ValueError, AttributeError):  # no such file; a stdin without a descriptor
+        return False
+
+
 def _check_output_places(args: argparse.Namespace) -> None:
     """Fails before decoding, not after, where --output or --plot-dir cannot be written."""
     plot_dir = args.plot_dir if args.plot_attention else None
@@ -462,6 +472,11 @@ def _check_output_places(args: argparse.Namespace) -> None:
                     f"--output {args.output} is the --{flag.replace('_', '-')} file; "
                     "name another file, or it would be overwritten"
                 )
+        if args.translate and not args.input and _is_standard_input(output):
+            raise UsageError(  # `--translate --output f < f`
+                f"--output {args.output} is the file standard input reads; name another file, "
+                "or it would be overwritten"
+            )
         if is_written_in_place(output):
             if not os.access(output, os.W_OK):
                 raise UsageError(f"--output {args.output}: not writable")

@@ -1000,6 +1000,29 @@ def test_output_onto_an_input_file_is_refused_before_decoding(flag, tmp_path, ca
     assert src.read_text() == "a\n" and ref.read_text() == "b\n"
 
 
+def test_output_onto_the_file_stdin_reads_is_refused_before_decoding(tmp_path, capsys, monkeypatch):
+    # `evaluate.py --translate --output f < f`: the translations replaced the sources.
+    src = tmp_path / "src.en"
+    src.write_text("a\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    argv = ["--workdir", str(tmp_path), "--translate", "--output", src.name]
+    with open(src, encoding="utf-8") as stdin:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        code = evaluate.main(argv, load=_no_decoding)
+    err = capsys.readouterr().err
+    assert code == 2 and err == (
+        "error: --output src.en is the file standard input reads; name another file, or it "
+        "would be overwritten\n"
+    )
+    assert src.read_text() == "a\n"
+    # Another file, and a device such as /dev/null on both sides, are written as asked.
+    for stdin_path, output in ((src, tmp_path / "out.de"), (os.devnull, os.devnull)):
+        with open(stdin_path, encoding="utf-8") as stdin:
+            monkeypatch.setattr(sys, "stdin", stdin)
+            args = ["--workdir", str(tmp_path), "--translate", "--output", str(output)]
+            evaluate._check_output_places(evaluate.parse_args(args))
+
+
 @pytest.mark.parametrize(
     "flags, refused",
     [
