@@ -57,7 +57,15 @@ if __name__ == "__main__":
 import numpy as np
 from sacrebleu.metrics import BLEU, CHRF
 
-from data import CorpusSpec, DataError, decode_lines, load_corpus, read_aligned_lines, read_lines
+from data import (
+    CorpusSpec,
+    DataError,
+    decode_lines,
+    load_corpus,
+    read_aligned_lines,
+    read_lines,
+    tfds_source,
+)
 from data.batching import inference_length
 from data.errors import os_error_line, out_of_memory_line
 from data.text import (
@@ -646,6 +654,8 @@ def _evaluate(
             return plot_curve(args.workdir, args.plot_curve)
         if _typed(args):
             return translate_typed_lines(args, load(args), interrupted)
+        if args.no_progress:  # nor TFDS's bars, where a --split of a tfds run is prepared
+            tfds_source.show_progress_bars(False)
         # The inputs first: a wrong file is found before the checkpoints are read.
         sources, references, name = load_sources_and_references(args, args.workdir)
         run = load(args)

@@ -1197,6 +1197,10 @@ def _run_locked(
     from transformer.checkpoints import check_run_tokenizer, checkpoint_steps
 
     workdir, saved = settings.workdir, settings.saved
+    if args.no_progress:  # nor TFDS's bars while it downloads and prepares a dataset
+        from data import tfds_source
+
+        tfds_source.show_progress_bars(False)
     moved_aside = forget_unchecked_tokenizer(workdir, saved, settings.data, log, main_process)
     with removed_if_stopped_before_training(workdir, main_process, training, moved_aside):
         try:

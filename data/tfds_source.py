@@ -20,9 +20,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,9 +32,28 @@ from pathlib import Path
 from typing import Any
 
 from data.errors import DataError, MissingSplitError
+from data.text import is_a_terminal
 
 # Conventional names of our splits in TFDS datasets.
 SPLIT_ALIASES = {"val": "validation", "valid": "validation", "dev": "validation"}
+# Whether TFDS may draw its download and preparation bars (where stderr is a terminal):
+# train.py and evaluate.py turn them off with --no-progress (`show_progress_bars`).
+_progress_bars = True
+
+
+def show_progress_bars(enabled: bool) -> None:
+    """Whether TFDS draws its bars while it downloads and prepares a dataset; only ever
+    where stderr is a terminal, since into a log file each redraw only lengthens a line."""
+    global _progress_bars
+    _progress_bars = enabled
+
+
+class _NotOurConfigWarning:
+    """Drops TFDS's warning that a builder has a custom configuration: every folder
+    builder has one (its files' hash), so the warning said nothing, three times a run."""
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith("Using custom data configuration")
 
 
 def _import_tfds() -> Any:
@@ -44,6 +65,9 @@ def _import_tfds() -> Any:
             f"the tfds dataset needs TensorFlow Datasets ({e}); "
             "install it with pip install 'transformer-mt[tfds]'"
         ) from None
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _NotOurConfigWarning) for f in absl.filters):
+        absl.addFilter(_NotOurConfigWarning())
     return tfds
 
 
@@ -200,6 +224,7 @@ def _no_retries_for_unresolved_hosts() -> Iterator[None]:
 
 
 def _prepare(builder: Any, label: str) -> None:
+    _import_tfds().display_progress_bar(_progress_bars and is_a_terminal(sys.stderr))
     try:
         with _no_retries_for_unresolved_hosts():
             builder.download_and_prepare()

@@ -1,7 +1,9 @@
 """The TFDS path, really exercised offline: a TFDS dataset built from a Multi30k slice."""
 
 import functools
+import io
 import socket
+import sys
 import tempfile
 import time
 
@@ -302,3 +304,25 @@ def test_a_folder_with_empty_files_is_no_download_error(tmp_path):
     message = str(e.value)
     assert message.startswith(f"TFDS found no sentence pairs for {folder} (as a TFDS dataset)")
     assert "offline" not in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "terminal, enabled, drawn",
+    [(False, True, False), (True, True, True), (True, False, False)],
+    ids=["log-file", "terminal", "terminal-no-progress"],
+)
+def test_tfds_draws_its_bars_at_a_terminal_only_and_not_under_no_progress(
+    terminal, enabled, drawn, multi30k_slice, tmp_path, monkeypatch, caplog
+):
+    # `train.py --dataset tfds ... > train.log 2>&1` filled the log with TFDS's redrawn
+    # bars and cursor moves, with --no-progress too, and three warnings of the folder
+    # builder's "custom data configuration".
+    folder = multi30k_slice(n=20, splits=("train",))
+    stderr = io.StringIO()
+    stderr.isatty = lambda: terminal
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.setattr(tfds_source, "_progress_bars", True)
+    tfds_source.show_progress_bars(enabled)
+    data.load_corpus(tfds_spec(folder, tmp_path), "train")
+    assert ("Generating splits" in stderr.getvalue()) == drawn, stderr.getvalue()
+    assert "custom data configuration" not in caplog.text + stderr.getvalue()

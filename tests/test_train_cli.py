@@ -1095,6 +1095,24 @@ def test_contradicting_data_flags_are_an_error_before_anything_is_written(tmp_pa
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("no_progress", [False, True])
+def test_no_progress_turns_off_tfds_bars_too(no_progress, slice_dir, tmp_path, monkeypatch):
+    from data import tfds_source
+
+    monkeypatch.setattr(tfds_source, "_progress_bars", True)  # the process's own setting
+    flags = _flags(slice_dir, tmp_path / "run", "--steps", "1", "--dataset", "tfds")
+    flags += ["--tfds-data-dir", str(tmp_path / "tfds")]
+    if not no_progress:
+        flags.remove("--no-progress")
+    with open(tmp_path / "stderr", "w+", encoding="utf-8") as terminal:
+        terminal.isatty = lambda: True  # what a terminal says
+        monkeypatch.setattr(sys, "stderr", terminal)
+        assert train.main(flags) == 0
+        terminal.seek(0)
+        written = terminal.read()
+    assert ("Generating splits" in written) != no_progress, written
+
+
 def test_a_training_split_cleaning_empties_is_a_one_line_error(slice_dir, tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
