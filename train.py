@@ -795,6 +795,15 @@ def maybe_initialize_distributed(args: argparse.Namespace) -> HostFailures | Non
             file=sys.stderr,
             flush=True,
         )
+    elif process == 0 and processes and processes > 1:  # it says nothing until they join
+        others = processes - 1
+        print(
+            f"process 0: coordinating at {address or 'its address'}; waiting for the other "
+            f"{others} process{'es' if others > 1 else ''} to join (JAX gives up after 5 "
+            "minutes)",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         jax.distributed.initialize(
             coordinator_address=address, num_processes=processes, process_id=process

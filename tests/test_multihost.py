@@ -8,6 +8,7 @@ numbers does not depend on which host adds them), through a resume as well.
 """
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -227,6 +228,14 @@ def test_two_hosts_train_and_resume_as_one_host_with_two_devices(slice_dir, one_
     preludes = {0: SLOW_MOVE, 1: SLOW_LOOK + SIGTERM_AFTER_5}
     outputs = _train(_flags(slice_dir, workdir, 12), processes=2, devices=1, preludes=preludes)
     assert all("2 cpu device(s) on 2 host(s)" in out for out in outputs)
+    # Each says what it waits for: before, process 0 said nothing until process 1 joined.
+    assert re.search(
+        r"^process 0: coordinating at localhost:\d+; waiting for the other 1 "
+        r"process to join \(JAX gives up after 5 minutes\)$",
+        outputs[0],
+        re.M,
+    )
+    assert re.search(r"^process 1: waiting for the coordinator at localhost:\d+ ", outputs[1], re.M)
     assert all("moved to tokenizer.model.old" in out for out in outputs)
     assert (workdir / "tokenizer.model.old").read_bytes() == stale
     assert "step 6: another host was asked to stop" in outputs[0]
