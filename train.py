@@ -768,11 +768,12 @@ def maybe_initialize_distributed(args: argparse.Namespace) -> HostFailures | Non
     then returns the HostFailures of this host."""
     import jax
 
+    env_address = os.environ.get("JAX_COORDINATOR_ADDRESS")
     wanted = (
         args.coordinator_address is not None
         or args.num_processes is not None
         or args.process_id is not None
-        or os.environ.get("JAX_COORDINATOR_ADDRESS")
+        or env_address
     )
     if not wanted:
         return None
@@ -795,10 +796,10 @@ def maybe_initialize_distributed(args: argparse.Namespace) -> HostFailures | Non
             file=sys.stderr,
             flush=True,
         )
-    elif process == 0 and processes and processes > 1:  # it says nothing until they join
-        others = processes - 1
+    elif process == 0 and (processes or 0) > 1 and (coordinator := address or env_address):
+        others = processes - 1  # it says nothing until they join
         print(
-            f"process 0: coordinating at {address or 'its address'}; waiting for the other "
+            f"process 0: coordinating at {coordinator}; waiting for the other "
             f"{others} process{'es' if others > 1 else ''} to join (JAX gives up after 5 "
             "minutes)",
             file=sys.stderr,
