@@ -1097,6 +1097,7 @@ def test_contradicting_data_flags_are_an_error_before_anything_is_written(tmp_pa
 
 @pytest.mark.parametrize("no_progress", [False, True])
 def test_no_progress_turns_off_tfds_bars_too(no_progress, slice_dir, tmp_path, monkeypatch):
+    pytest.importorskip("tensorflow_datasets")  # the tfds extra, as tests/test_data_tfds.py
     from data import tfds_source
 
     monkeypatch.setattr(tfds_source, "_progress_bars", True)  # the process's own setting
