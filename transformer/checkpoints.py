@@ -48,13 +48,13 @@ import orbax.checkpoint as ocp
 from data.text import write_text_atomically
 
 CONFIG_FILE = "config.json"
-# What to wait for where a run under way has saved nothing yet (`training_there`).
-FIRST_CHECKPOINT = "evaluate once it has saved its first checkpoint"
 TOKENIZER_FILE = "tokenizer.model"
 CHECKPOINT_DIR = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
 BEST_METRIC = "val_bleu"
 INTERIM_METRIC = "interim"  # a checkpoint saved off the schedule, by a stop
+# What to wait for where a run under way has saved nothing yet (`training_there`).
+FIRST_CHECKPOINT = "evaluate once it has saved its first checkpoint"
 # The lock of a run under way, which holds its process id (train.py's LOCK_FILE).
 LOCK_FILE = "train.lock"
 # What else train.py keeps in a workdir: its tokenized splits, that lock, and TensorBoard's
@@ -334,10 +334,8 @@ def load_run_config(workdir: str | os.PathLike) -> dict[str, Any]:
             f"workdir {workdir} does not exist; train into it with train.py first"
         )
     if not path.is_file():
-        if training_process(workdir) is not None:  # setting up: data, tokenizer
-            raise CheckpointError(
-                f"{path} is not written yet{training_there(workdir, FIRST_CHECKPOINT)}"
-            )
+        if wait := training_there(workdir, FIRST_CHECKPOINT):  # setting up: data, tokenizer
+            raise CheckpointError(f"{path} is not written yet{wait}")
         raise CheckpointError(f"{path} is missing; is {workdir} a workdir written by train.py?")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
